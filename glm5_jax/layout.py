@@ -1,0 +1,182 @@
+"""CacheLayout: the ONE flat buffer holding every layer's attention, indexer and
+tail bytes, and the per-layer CacheStrides handed to kernels.
+
+Byte layout (little-endian; ARCHITECTURE.md):
+
+    [attention region: layer 0..L-1, each num_blocks * attn_block_bytes]   (absent when 0)
+    [indexer region:   layer 0..L-1, each num_blocks * index_block_bytes]
+    [zero padding up to a multiple of 4 KiB]
+
+The tail ring of block b aliases the start of indexer block b of the same layer.
+The buffer is a 1-D uint32 array (4 bytes per word, so element offsets stay small);
+``jax.lax.bitcast_convert_type`` gives the byte view for free.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pallas_kernels import addressing as addr
+from pallas_kernels.strides import CacheStrides, VIEW_COLS, WORD_BYTES
+
+from .config import IndexerConfig
+
+FAULTS = ("dense-tail-stride",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    config: IndexerConfig
+    num_layers: int
+    num_blocks: int
+    attn_block_bytes: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.config, IndexerConfig):
+            raise ValueError("config must be an IndexerConfig")
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers!r}")
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks!r}")
+        if not isinstance(self.attn_block_bytes, int) or self.attn_block_bytes < 0 \
+                or self.attn_block_bytes % WORD_BYTES:
+            raise ValueError(f"attn_block_bytes must be a non-negative multiple of 4, got {self.attn_block_bytes!r}")
+        if self.index_region_bytes // WORD_BYTES >= 2**31 - VIEW_COLS:
+            raise ValueError(
+                f"one layer's indexer region ({self.index_region_bytes} B) must stay below 8 GiB; "
+                f"use fewer blocks per device")
+        # Build every layer's strides once so an impossible layout fails here.
+        for layer in range(self.num_layers):
+            self.strides(layer)
+
+    # ---- sizes (bytes) -----------------------------------------------------------
+    @property
+    def attn_region_bytes(self) -> int:          # one layer
+        return self.num_blocks * self.attn_block_bytes
+
+    @property
+    def index_region_bytes(self) -> int:         # one layer
+        return self.num_blocks * self.config.index_block_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.num_layers * (self.attn_region_bytes + self.index_region_bytes)
+
+    @property
+    def total_bytes(self) -> int:                # padded to whole 4 KiB rows of the kernel view
+        row = VIEW_COLS * WORD_BYTES
+        return -(-self.used_bytes // row) * row
+
+    @property
+    def total_words(self) -> int:
+        return self.total_bytes // WORD_BYTES
+
+    @property
+    def bytes_per_block(self) -> int:            # all layers, attention + indexer
+        return self.num_layers * (self.attn_block_bytes + self.config.index_block_bytes)
+
+    def attn_base_bytes(self, layer: int) -> int:
+        self._check_layer(layer)
+        return layer * self.attn_region_bytes
+
+    def index_base_bytes(self, layer: int) -> int:
+        self._check_layer(layer)
+        return self.num_layers * self.attn_region_bytes + layer * self.index_region_bytes
+
+    def _check_layer(self, layer):
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+
+    # ---- strides -----------------------------------------------------------------
+    def strides(self, layer: int, fault: str | None = None) -> CacheStrides:
+        """The explicit stride metadata of one layer: the only thing kernels get.
+
+        fault="dense-tail-stride" reproduces the historical bug (spec B1) on purpose:
+        tail blocks addressed with the dense stride 2*ring*256 instead of the padded
+        index_block_bytes. Only the corruption probe and its tests use it.
+        """
+        c = self.config
+        tail_stride = c.index_block_bytes
+        if fault is not None:
+            if fault not in FAULTS:
+                raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
+            tail_stride = c.tail_block_bytes
+        return CacheStrides(
+            kpool=c.kpool, ring=c.ring, page_rows=c.page_rows, pages_per_block=c.pages_per_block,
+            num_blocks=self.num_blocks, index_base_bytes=self.index_base_bytes(int(layer)),
+            index_block_bytes=c.index_block_bytes, total_bytes=self.total_bytes,
+            tail_block_stride_bytes=tail_stride)
+
+    # ---- allocation ----------------------------------------------------------------
+    def allocate(self, fill_byte: int = 0, device=None):
+        """The flat cache: uint32[total_words], every byte = fill_byte (a sentinel for tests)."""
+        import jax
+        import jax.numpy as jnp
+        if not 0 <= fill_byte <= 255:
+            raise ValueError("fill_byte must be in [0, 255]")
+        word = np.uint32(fill_byte * 0x01010101)
+        buf = jnp.full((self.total_words,), word, dtype=jnp.uint32)
+        return jax.device_put(buf, device) if device is not None else buf
+
+    # ---- read-only inspection views (host side, built only from the strides) -------
+    def pool_keys(self, cache, layer: int):
+        """(keys fp8 [num_blocks * S, 128], scales f32 [num_blocks * S]) of one layer, by pool slot."""
+        import ml_dtypes
+        s = self.strides(layer)
+        words = np.asarray(cache).view(np.uint32)
+        loc = np.arange(s.num_pool_slots, dtype=np.int64)
+        kw = addr.global_word(s, addr.pool_key_words(s, loc))[:, None] + np.arange(addr.KEY_WORDS)
+        keys = words[kw].view(np.uint8).reshape(-1, 128).view(ml_dtypes.float8_e4m3fn)
+        scales = words[addr.global_word(s, addr.pool_scale_words(s, loc))].view(np.float32)
+        return keys, scales
+
+    def tail_ring(self, cache, layer: int):
+        """(K, gate) bf16 [num_blocks, ring, 128] of one layer's tail rings, by block and ring slot."""
+        import ml_dtypes
+        s = self.strides(layer)
+        words = np.asarray(cache).view(np.uint32)
+        blk = np.arange(s.num_blocks, dtype=np.int64)[:, None]
+        slot = np.arange(s.ring, dtype=np.int64)[None, :]
+        out = []
+        for half in (0, 1):
+            w = addr.global_word(s, addr.tail_row_words(s, blk, slot, half))[..., None] + np.arange(addr.TAIL_ROW_WORDS)
+            out.append(words[w].view(np.uint16).reshape(s.num_blocks, s.ring, 128).view(ml_dtypes.bfloat16))
+        return tuple(out)
+
+    def block_byte_range(self, layer: int, block: int) -> tuple[int, int]:
+        """[start, end) bytes of indexer block `block` of `layer` (its tail aliases the start)."""
+        s = self.strides(layer)
+        start = s.index_base_bytes + block * s.index_block_bytes
+        return start, start + s.index_block_bytes
+
+    # ---- memory plan ---------------------------------------------------------------
+    def summary(self) -> dict:
+        c = self.config
+        usable_blocks = self.num_blocks - 1          # block 0 is the null block
+        return {
+            "block_size_tokens": c.block_size,
+            "kpool": c.kpool,
+            "num_spec_tokens": c.num_spec_tokens,
+            "ring_tokens": c.ring,
+            "pools_per_block": c.pools_per_block,
+            "page_rows": c.page_rows,
+            "pages_per_block": c.pages_per_block,
+            "page_bytes": c.page_bytes,
+            "index_block_bytes": c.index_block_bytes,
+            "tail_block_bytes": c.tail_block_bytes,
+            "tail_block_stride_elems": c.tail_block_stride_elems,
+            "attn_block_bytes": self.attn_block_bytes,
+            "num_layers": self.num_layers,
+            "num_blocks": self.num_blocks,
+            "bytes_per_block_all_layers": self.bytes_per_block,
+            "index_bytes_per_token_per_layer": c.index_bytes_per_token,
+            "tokens_that_fit": usable_blocks * c.block_size,
+            "total_bytes": self.total_bytes,
+        }
+
+    def table(self) -> str:
+        rows = [(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else f"{v:g}")
+                for k, v in self.summary().items()]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{w}}  {v:>16}" for k, v in rows)

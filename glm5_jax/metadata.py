@@ -1,0 +1,96 @@
+"""Host-side metadata builders (numpy): slot mappings, tail slots, page tables.
+
+Units are in the names. Padding entries are -1 in every slot mapping and 0 in
+tables (block 0 is the null block). The unit rule that three historical bugs
+broke (spec 4.2, B9-B11): the page table's column unit, the page height used by
+the slot mapper and the kernels' page height are all ``page_rows`` pool rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import IndexerConfig
+
+
+def page_table_pages(block_table_blocks, config: IndexerConfig):
+    """[B, max_blocks] manager block ids -> [B, max_blocks * pages_per_block] page ids.
+
+    Page j of block b is b * pages_per_block + j (dense layer-outer layout).
+    """
+    bt = np.asarray(block_table_blocks, dtype=np.int64)
+    if bt.ndim != 2:
+        raise ValueError(f"block table must be [B, max_blocks], got shape {bt.shape}")
+    ppb = config.pages_per_block
+    pages = bt[:, :, None] * ppb + np.arange(ppb)
+    return pages.reshape(bt.shape[0], -1).astype(np.int32)
+
+
+def token_request_index(query_lens_tokens, num_tokens_padded: int | None = None):
+    """Request index of every flat token of a batch (padding tokens get -1)."""
+    q = np.asarray(query_lens_tokens, dtype=np.int64)
+    if (q < 0).any():
+        raise ValueError("query lengths must be >= 0")
+    req = np.repeat(np.arange(q.size), q)
+    return _pad(req, num_tokens_padded)
+
+
+def token_positions(seq_lens_tokens, query_lens_tokens, num_tokens_padded: int | None = None):
+    """Absolute position of every new token: the last query_len positions of each request."""
+    s = np.asarray(seq_lens_tokens, dtype=np.int64)
+    q = np.asarray(query_lens_tokens, dtype=np.int64)
+    if s.shape != q.shape:
+        raise ValueError("seq_lens and query_lens must have the same shape")
+    if (q > s).any():
+        raise ValueError("a request's query length exceeds its sequence length")
+    pos = np.concatenate([np.arange(si - qi, si) for si, qi in zip(s, q)]) if s.size else np.zeros(0, np.int64)
+    return _pad(pos, num_tokens_padded)
+
+
+def _pad(x, n):
+    x = np.asarray(x, dtype=np.int64)
+    if n is None:
+        return x.astype(np.int32)
+    if x.size > n:
+        raise ValueError(f"{x.size} tokens do not fit in a padded batch of {n}")
+    out = np.full(n, -1, np.int64)
+    out[: x.size] = x
+    return out.astype(np.int32)
+
+
+def compressed_slot_mapping(positions_tokens, request_index, page_table_pages_, config: IndexerConfig):
+    """Pool-granular slot of every token (spec 4.2): >= 0 only for pool-completing tokens.
+
+    slot = table[req, cpos // page_rows] * page_rows + cpos % page_rows with
+    cpos = pos // kpool, for tokens with (pos + 1) % kpool == 0; -1 otherwise.
+    A pool beyond the request's table is an error (the B7/B11 class), not a wrap.
+    """
+    pos = np.asarray(positions_tokens, dtype=np.int64)
+    req = np.asarray(request_index, dtype=np.int64)
+    table = np.asarray(page_table_pages_, dtype=np.int64)
+    r, p = config.kpool, config.page_rows
+    out = np.full(pos.shape, -1, np.int64)
+    valid = (pos >= 0) & (req >= 0) & ((pos + 1) % r == 0)
+    cpos = np.where(valid, pos // r, 0)
+    col = cpos // p
+    if valid.any() and (col[valid] >= table.shape[1]).any():
+        raise ValueError(f"a pool lies beyond its request's page table ({table.shape[1]} pages of "
+                         f"{p} pools): the table is too short for the positions")
+    page = table[np.where(valid, req, 0), np.where(valid, col, 0)]
+    out[valid] = (page * p + cpos % p)[valid]
+    return out.astype(np.int32)
+
+
+def tail_slot_mapping(positions_tokens, request_index, tail_blocks, config: IndexerConfig):
+    """Token-granular tail slot (spec 4.3): tail_block[req] * ring + pos % ring; -1 for padding."""
+    pos = np.asarray(positions_tokens, dtype=np.int64)
+    req = np.asarray(request_index, dtype=np.int64)
+    tb = np.asarray(tail_blocks, dtype=np.int64)
+    valid = (pos >= 0) & (req >= 0)
+    blk = tb[np.where(valid, req, 0)] if tb.size else np.zeros_like(pos)
+    out = np.where(valid & (blk > 0), blk * config.ring + np.where(valid, pos, 0) % config.ring, -1)
+    return out.astype(np.int32)
+
+
+def context_pools(seq_lens_tokens, config: IndexerConfig):
+    """Complete pools visible to a request of seq_len tokens: seq_len // kpool (clamped at 0)."""
+    return np.maximum(np.asarray(seq_lens_tokens, dtype=np.int64), 0) // config.kpool

@@ -1,0 +1,80 @@
+"""The one place that knows which Pallas GPU backend runs the kernels.
+
+Today: ``pl.pallas_call`` lowered by the Pallas Triton backend (deprecated
+upstream since JAX 0.11, still shipped in 0.12). Kernel files call only
+``pallas_call``, ``load``, ``store``, ``barrier`` and ``resolve_interpret``
+from here, so moving to Mosaic GPU or jax-triton later touches this file and the
+kernel bodies' memory ops, not their callers.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+
+def resolve_interpret(interpret) -> bool:
+    """None -> interpret everywhere except on a GPU backend."""
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    return bool(interpret)
+
+
+def pallas_call(kernel, *, grid, out_shape, input_output_aliases, interpret, name,
+                num_warps=4, num_stages=1):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            out_shape=out_shape,
+            input_output_aliases=input_output_aliases,
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=resolve_interpret(interpret),
+            name=name,
+        )
+
+
+def load(ref, mask=None, other=None):
+    """Masked load (masked-out lanes read `other` and touch no memory on the GPU)."""
+    if mask is None:
+        return ref[...]
+    return plt.load(ref, mask=mask, other=other)
+
+
+def store(ref, value, mask=None):
+    """Masked store: masked-out lanes write nothing."""
+    if mask is None:
+        ref[...] = value
+    else:
+        plt.store(ref, value, mask=mask)
+
+
+def gather(ref, rows, cols, mask=None, other=0):
+    """ref[rows, cols] for equal-shaped int index arrays (masked lanes read `other`)."""
+    if mask is None:
+        return ref[rows, cols]
+    return plt.load(ref.at[rows, cols], mask=mask, other=other)
+
+
+def scatter(ref, rows, cols, value, mask):
+    """ref[rows, cols] = value where mask, for equal-shaped int index arrays.
+
+    Masked-out lanes are parked on row ``ref.shape[0]`` (past the end): the GPU
+    never touches them (masked), and interpret mode drops out-of-range scatters
+    instead of writing the old value back over a real write to the same address.
+    """
+    rows = jax.numpy.where(mask, rows, ref.shape[0])
+    plt.store(ref.at[rows, cols], value, mask=mask)
+
+
+def barrier():
+    """Block-wide barrier: orders this program's global writes before its later reads."""
+    plt.debug_barrier()
+
+
+ds = pl.ds
+program_id = pl.program_id
+when = pl.when

@@ -1,0 +1,93 @@
+"""The ONLY place that turns (strides, slot) into buffer offsets.
+
+Everything here works on Python ints, numpy arrays and traced jax int32 arrays
+alike (inside Pallas kernels too), so the kernels, the XLA reference, the
+inspection views and the tests all address the buffer through the same lines.
+
+Units: a *pool slot* (``loc``) is pool-granular and layer-local; a *tail slot*
+(``tslot``) is token-granular: ``tail_block * ring + pos % ring``. Offsets are in
+32-bit words (``*_words``). Offsets returned by the ``*_words`` functions are
+local to the layer's indexer region and always < 2**31; ``split_word`` adds the
+layer base and splits the global word address into (row, col) of the
+``u32[total_words // VIEW_COLS, VIEW_COLS]`` view, so no index ever needs 64 bits
+(the Triton backend then computes the 64-bit pointer itself for caches > 4 GiB).
+"""
+from __future__ import annotations
+
+from .strides import (CacheStrides, KEY_BYTES, TAIL_ROW_BYTES, VIEW_COL_BITS, VIEW_COLS,
+                      WORD_BYTES)
+
+KEY_WORDS = KEY_BYTES // WORD_BYTES            # 32 words = 128 fp8 bytes
+TAIL_ROW_WORDS = TAIL_ROW_BYTES // WORD_BYTES  # 64 words = 128 bf16
+
+
+def view_shape(s: CacheStrides) -> tuple[int, int]:
+    """Shape of the 2-D uint32 view the kernels index: [rows, VIEW_COLS]."""
+    return (s.total_words // VIEW_COLS, VIEW_COLS)
+
+
+# ---- pool slots (indexer K cache) ----------------------------------------------
+def pool_slot_valid(s: CacheStrides, loc):
+    """A pool slot writes only if 0 <= loc < num_blocks * pools_per_block."""
+    return (loc >= 0) & (loc < s.num_pool_slots)
+
+
+def pool_page_row(s: CacheStrides, loc):
+    """(page, row) of a pool slot: page = loc // P, row = loc % P (loc >= 0)."""
+    return loc // s.page_rows, loc % s.page_rows
+
+
+def pool_key_words(s: CacheStrides, loc):
+    """Layer-local word offset of the first of the 32 key words of pool slot loc."""
+    page, row = pool_page_row(s, loc)
+    return page * (s.page_bytes // WORD_BYTES) + row * KEY_WORDS
+
+
+def pool_scale_words(s: CacheStrides, loc):
+    """Layer-local word offset of the fp32 scale of pool slot loc."""
+    page, row = pool_page_row(s, loc)
+    return page * (s.page_bytes // WORD_BYTES) + s.page_rows * KEY_WORDS + row
+
+
+# ---- tail slots (bf16 ring aliasing the start of the indexer block) -------------
+def tail_slot_valid(s: CacheStrides, tslot):
+    """A tail slot writes only if 0 <= tslot < num_blocks * ring."""
+    return (tslot >= 0) & (tslot < s.num_tail_slots)
+
+
+def tail_block(s: CacheStrides, tslot):
+    """Tail block id of a token-granular tail slot (per token, bug B4).
+
+    An invalid slot (negative padding, or a block id >= num_blocks) maps to the null
+    block 0: that keeps every address inside the buffer; such a token never writes.
+    """
+    return (tslot * tail_slot_valid(s, tslot)) // s.ring
+
+
+def tail_row_words(s: CacheStrides, block, ring_slot, half):
+    """Layer-local word offset of ring row `ring_slot` of tail `block`.
+
+    half 0 = raw K rows, half 1 = raw gate rows. The block stride is the padded
+    ``tail_block_stride_bytes`` (== index_block_bytes), never ``2 * ring * 256``.
+    """
+    return (block * (s.tail_block_stride_bytes // WORD_BYTES)
+            + half * (s.tail_half_bytes // WORD_BYTES)
+            + ring_slot * TAIL_ROW_WORDS)
+
+
+# ---- global word address -> (row, col) of the 2-D view -------------------------
+def split_word(s: CacheStrides, local_words):
+    """(row, col) in the [rows, VIEW_COLS] view of layer-local word offset(s).
+
+    global = index_base_words + local. The static base is split first so every
+    intermediate stays below 2**31 for any buffer size.
+    """
+    base = s.index_base_bytes // WORD_BYTES
+    base_hi, base_lo = base >> VIEW_COL_BITS, base & (VIEW_COLS - 1)
+    w = local_words + base_lo
+    return base_hi + (w >> VIEW_COL_BITS), w & (VIEW_COLS - 1)
+
+
+def global_word(s: CacheStrides, local_words):
+    """Global word address (Python int / numpy int64 only: host-side inspection)."""
+    return s.index_base_bytes // WORD_BYTES + local_words

@@ -1,0 +1,219 @@
+"""Shared numerics of the kpool indexer (spec section 2), used verbatim by the
+Pallas kernel bodies and by the XLA reference so both perform the same float
+operations in the same order.
+
+Everything works on jnp arrays with a trailing dimension of 128 and any leading
+shape, inside and outside Pallas kernels. Only ops that the Pallas Triton
+lowering supports are used: reshape, broadcast, elementwise, reductions, iota,
+same-width bitcasts and integer shifts.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+HEAD_DIM = 128
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+INV_SQRT_128 = 0.08838834764831845      # fp32 bits 0x3DB504F3
+FP8 = jnp.float8_e4m3fn
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def hadamard128(x):
+    """Unnormalised Walsh-Hadamard transform over the last axis (size 128), f32.
+
+    Same summation tree as the in-place butterfly with strides 1, 2, ..., 64
+    (spec 2.1): each stage pairs the two elements that differ in the current
+    lowest index bit and writes (a + b, a - b) with the new bit on top
+    (constant-geometry form). After 7 stages the result is in natural order. Each
+    output is one fp32 add or subtract of the same operands as the butterfly, so
+    the bits are identical (the 2-element reduction only adds a*1 and b*(+-1)).
+    """
+    lead = x.shape[:-1]
+    n = len(lead)
+    shape3 = lead + (2, 64, 2)
+    # sign[s, j] = -1 where s == j == 1 else +1  (the 2x2 Hadamard), built from iota
+    s_idx = _iota(shape3, n)
+    j_idx = _iota(shape3, n + 2)
+    sign = jnp.where((s_idx & j_idx) == 1, -1.0, 1.0).astype(jnp.float32)
+    for _ in range(7):
+        pairs = x.reshape(lead + (1, 64, 2))                 # [..., 1, 64, 2]
+        x = jnp.sum(pairs * sign, axis=-1)                   # [..., 2, 64]
+        x = x.reshape(lead + (HEAD_DIM,))
+    return x
+
+
+# Every inexact float operation below is built from IEEE add/sub/mul, floor and
+# integer bit operations, so XLA (CPU, GPU) and Triton produce the same bits.
+# XLA's own exp differs by context even on one backend, XLA may drop a
+# f32->bf16->f32 round trip (xla_allow_excess_precision), and Triton's f32
+# division is approximate; none of those are used.
+LN2_HI = 0.693145751953125          # 16 significant bits: n * LN2_HI is exact for |n| < 256
+LOG2E = 1.4426950408889634
+_EXP_COEFFS = tuple(1.0 / math.factorial(k) for k in range(10))   # e^r, r in [0, ln 2)
+
+
+def _short(v, bits=16):
+    """v rounded down to `bits` significant bits (so products with small ints are exact)."""
+    u = np.float32(v).view(np.uint32)
+    return float((u & np.uint32((0xFFFFFFFF << (24 - bits)) & 0xFFFFFFFF)).view(np.float32))
+
+
+LN2_LO = _short(0.6931471805599453 - LN2_HI)   # the rest of ln 2, also 16 significant bits
+
+
+def _f32(bits):
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _u32(x):
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def exp_f32(d):
+    """e**d for f32 d (clamped to [-87, 88]); about 1 ulp, identical bits on every backend.
+
+    n = floor(d * log2 e) (a lone product, then floor), r = d - n ln2 with a
+    two-part ln2 whose products with n are exact, a degree-9 Taylor polynomial on
+    [0, ln 2), and 2**n from exponent bits.
+    """
+    d = jnp.clip(d, -87.0, 88.0)
+    t = d * LOG2E
+    n = jnp.floor(t)
+    r = (d - n * LN2_HI) - n * LN2_LO
+    p = jnp.full_like(r, _EXP_COEFFS[9])
+    for c in _EXP_COEFFS[8::-1]:
+        p = p * r + c
+    two_n = _f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
+    return p * two_n
+
+
+def recip_f32(b):
+    """1 / b for positive normal f32 b: bit-trick seed + 4 Newton steps (about 1 ulp)."""
+    y = _f32(np.uint32(0x7EF311C3) - _u32(b))
+    for _ in range(4):
+        y = y * (2.0 - b * y)
+    return y
+
+
+def round_bf16(x):
+    """Round f32 to the nearest bf16 (ties to even) and back to f32, with integer ops."""
+    u = _u32(x)
+    u = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    return _f32(u.astype(jnp.uint32))
+
+
+def e4m3_bits(v):
+    """float8_e4m3fn bit pattern (uint8) of f32 v with |v| <= 448, round to nearest even."""
+    u = _u32(v)
+    sign = (u >> 24) & np.uint32(0x80)
+    a = u & np.uint32(0x7FFFFFFF)
+    # normal range (|v| >= 2**-6): round the f32 mantissa to 3 bits, re-bias 127 -> 7
+    normal = ((a + (np.uint32(0x7FFFF) + ((a >> 20) & np.uint32(1)))) >> 20) - np.uint32((127 - 7) << 3)
+    # subnormal range: |v| * 2**9 in [0, 8), rounded to an integer, ties to even
+    t = jnp.abs(v) * 512.0
+    n = jnp.floor(t)
+    frac = t - n
+    ni = n.astype(jnp.int32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((ni & 1) == 1))
+    sub = (ni + up.astype(jnp.int32)).astype(jnp.uint32)
+    code = jnp.where(a >= np.uint32(0x3C800000), normal, sub) | sign
+    return code.astype(jnp.uint8)
+
+
+def pow2_scale(amax):
+    """Exact 2**ceil(log2(max(amax, 1e-4) / 448)) from the exponent bits (f32).
+
+    Never exp2/log2: XLA's exp2 is not exact at integers on GPU.
+    Returns (scale, inv_scale); both are exact powers of two.
+    """
+    v = jnp.maximum(amax, AMAX_FLOOR) * (1.0 / FP8_MAX)
+    u = lax.bitcast_convert_type(v, jnp.int32)
+    e = ((u >> 23) & 0xFF) + ((u & 0x7FFFFF) != 0).astype(jnp.int32)   # biased exponent of 2**ceil
+    scale = lax.bitcast_convert_type(e << 23, jnp.float32)
+    inv_scale = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)
+    return scale, inv_scale
+
+
+def quant_fp8(y):
+    """Per-row power-of-two scaled e4m3 quantisation of f32 y[..., 128].
+
+    Returns (q8 [..., 128] float8_e4m3fn, scale [...] f32). Clips to +-448 before
+    the cast so Triton (saturating) and XLA (NaN on overflow) agree.
+    """
+    amax = jnp.max(jnp.abs(y), axis=-1)
+    scale, inv_scale = pow2_scale(amax)
+    q = jnp.clip(y * inv_scale[..., None], -FP8_MAX, FP8_MAX)
+    return lax.bitcast_convert_type(e4m3_bits(q), FP8), scale
+
+
+def rotate_quant(x):
+    """bf16-rounded f32 x[..., 128] -> Hadamard/sqrt(128) -> bf16 round -> fp8 + scale."""
+    y = round_bf16(hadamard128(x) * INV_SQRT_128)
+    return quant_fp8(y)
+
+
+def compress_pool(keys, gates, ape_rows):
+    """Softmax-gated pooling of one pool (spec 2.2), then rotation + fp8.
+
+    keys, gates: sequences of R arrays [..., 128] bf16 (slot j = pos % R order).
+    ape_rows: sequence of R arrays [128] (or broadcastable) f32.
+    Two-pass softmax with explicit left-to-right sums, so every backend adds in the
+    same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
+    """
+    r = len(keys)
+    s = [gates[j].astype(jnp.float32) + ape_rows[j] for j in range(r)]
+    m = s[0]
+    for j in range(1, r):
+        m = jnp.maximum(m, s[j])
+    e = [exp_f32(s[j] - m) for j in range(r)]
+    den = e[0]
+    acc = keys[0].astype(jnp.float32) * e[0]
+    for j in range(1, r):
+        den = den + e[j]
+        acc = acc + keys[j].astype(jnp.float32) * e[j]
+    x = round_bf16(acc * recip_f32(den))
+    return rotate_quant(x)
+
+
+def fwht_quant_rows(q):
+    """Query side (spec 2.3): q[..., 128] bf16 -> (q8 e4m3fn, scale f32)."""
+    return rotate_quant(q.astype(jnp.float32))
+
+
+# ---- byte packing into 32-bit little-endian words -------------------------------
+def pack_fp8_words(q8):
+    """[..., 128] float8_e4m3fn -> [..., 32] uint32 (byte 4w+i at bits 8i)."""
+    lead = q8.shape[:-1]
+    b = lax.bitcast_convert_type(q8, jnp.uint8).astype(jnp.uint32).reshape(lead + (32, 4))
+    shift = (_iota(lead + (32, 4), len(lead) + 1) * 8).astype(jnp.uint32)
+    return jnp.sum(b << shift, axis=-1).astype(jnp.uint32)
+
+
+def pack_bf16_words(x):
+    """[..., 128] bfloat16 -> [..., 64] uint32 (element 2w in the low half)."""
+    lead = x.shape[:-1]
+    h = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32).reshape(lead + (64, 2))
+    shift = (_iota(lead + (64, 2), len(lead) + 1) * 16).astype(jnp.uint32)
+    return jnp.sum(h << shift, axis=-1).astype(jnp.uint32)
+
+
+def unpack_bf16_words(w):
+    """[..., 64] uint32 -> [..., 128] bfloat16 (inverse of pack_bf16_words)."""
+    lead = w.shape[:-1]
+    shift = (_iota(lead + (64, 2), len(lead) + 1) * 16).astype(jnp.uint32)
+    h = ((w[..., None] >> shift) & 0xFFFF).astype(jnp.uint16).reshape(lead + (HEAD_DIM,))
+    return lax.bitcast_convert_type(h, jnp.bfloat16)
+
+
+def f32_word(x):
+    """f32 -> its uint32 bit pattern."""
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)

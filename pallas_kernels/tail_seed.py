@@ -1,0 +1,68 @@
+"""Kernel: seed each request's bf16 tail ring with its last kpool prefill tokens (spec 5.3).
+
+Touches ONLY: for token i with a valid tail slot that is among its request's
+last kpool tokens of the batch, the 2 x 256 bytes of ring row ``tslot % ring`` of
+tail block ``tslot // ring`` (K half and gate half), which alias the start of
+indexer block ``tslot // ring`` of this layer. Nothing else.
+
+Grid: one program per tile of TILE_TOKENS tokens. The tail slots of the tile and
+of the tokens kpool rows ahead decide which rows are seeded; only those rows are
+loaded and stored (masked lanes touch no memory), so the cost is 4 bytes per
+prompt token plus 512 bytes per seeded token.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _backend as B
+from . import addressing as addr
+from .strides import CacheStrides
+
+TILE_TOKENS = 64
+
+
+def _kernel(tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: CacheStrides, t_total: int):
+    # tslot_ref: [T] i32; key_ref, gate_ref: [T, 64] u32 (bf16 pairs); cache_ref: [rows, 1024] u32
+    p = B.program_id(0)
+    i = p * TILE_TOKENS + lax.broadcasted_iota(jnp.int32, (TILE_TOKENS,), 0)      # [TILE]
+    in_range = i < t_total
+    ts = B.load(tslot_ref.at[jnp.minimum(i, t_total - 1)], mask=in_range, other=-1)       # [TILE]
+    j = i + s.kpool
+    ahead = B.load(tslot_ref.at[jnp.minimum(j, t_total - 1)], mask=j < t_total, other=-1)  # [TILE]
+    seeded = (in_range & addr.tail_slot_valid(s, ts)
+              & ((ahead < 0) | (addr.tail_block(s, ahead) != addr.tail_block(s, ts))))
+    blk = addr.tail_block(s, ts)
+    ring_slot = jnp.where(seeded, ts, 0) % s.ring
+    w = lax.broadcasted_iota(jnp.int32, (TILE_TOKENS, addr.TAIL_ROW_WORDS), 1)   # [TILE, 64]
+    rows = jnp.minimum(i, t_total - 1)[:, None] + 0 * w                             # [TILE, 64]
+    m2 = seeded[:, None] & (w >= 0)
+    for half, src in ((0, key_ref), (1, gate_ref)):
+        words = B.gather(src, rows, w, mask=m2)                                     # [TILE, 64] u32
+        r, c = addr.split_word(s, addr.tail_row_words(s, blk, ring_slot, half)[:, None] + w)
+        B.scatter(cache_ref, r, c, words, m2)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "interpret"))
+def seed_tail(cache, s: CacheStrides, key, gate, tslot, *, interpret=None):
+    """cache: [total_words] u32; key, gate: [T, 128] bf16; tslot: [T] i32. Returns the new cache."""
+    t = key.shape[0]
+    if t == 0:
+        return cache
+    as_words = lambda x: lax.bitcast_convert_type(x.astype(jnp.bfloat16).reshape(t, 64, 2), jnp.uint32)
+    view = cache.reshape(addr.view_shape(s))
+    out = B.pallas_call(
+        functools.partial(_kernel, s=s, t_total=t),
+        grid=(pl_cdiv(t, TILE_TOKENS),),
+        out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
+        input_output_aliases={3: 0},
+        interpret=interpret, name="kpool_seed_tail", num_warps=4,
+    )(tslot.astype(jnp.int32), as_words(key), as_words(gate), view)
+    return out.reshape(-1)
+
+
+def pl_cdiv(a, b):
+    return -(-a // b)
