@@ -70,9 +70,13 @@ def scatter(ref, rows, cols, value, mask):
     plt.store(ref.at[rows, cols], value, mask=mask)
 
 
-def barrier():
-    """Block-wide barrier: orders this program's global writes before its later reads."""
-    plt.debug_barrier()
+def barrier(interpret: bool):
+    """Block-wide barrier: orders this program's global writes before its later reads.
+
+    Interpret mode runs a program's ops in order, so it needs (and has) none.
+    """
+    if not interpret:
+        plt.debug_barrier()
 
 
 ds = pl.ds

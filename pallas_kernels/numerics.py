@@ -78,12 +78,32 @@ def _u32(x):
     return lax.bitcast_convert_type(x, jnp.uint32)
 
 
+def _split12(a):
+    """a = hi + lo exactly, each with at most 12 significant bits (bit mask, no float ops)."""
+    hi = _f32(_u32(a) & np.uint32(0xFFFFF000))
+    return hi, a - hi
+
+
+def mac(c, a, b):
+    """c + a*b from four exact partial products (12 x 12 bits each).
+
+    A compiler may fuse any of these multiply-adds into an FMA (XLA does so
+    depending on fusion context, NVPTX and Triton by default): with exact
+    products an FMA and a multiply-then-add round identically, so the result is
+    the same on every backend and in every context.
+    """
+    ah, al = _split12(a)
+    bh, bl = _split12(b)
+    return ((c + ah * bh) + (ah * bl + al * bh)) + al * bl
+
+
 def exp_f32(d):
     """e**d for f32 d (clamped to [-87, 88]); about 1 ulp, identical bits on every backend.
 
     n = floor(d * log2 e) (a lone product, then floor), r = d - n ln2 with a
     two-part ln2 whose products with n are exact, a degree-9 Taylor polynomial on
-    [0, ln 2), and 2**n from exponent bits.
+    [0, ln 2) evaluated with exact-product multiply-adds (``mac``), and 2**n from
+    exponent bits.
     """
     d = jnp.clip(d, -87.0, 88.0)
     t = d * LOG2E
@@ -91,7 +111,7 @@ def exp_f32(d):
     r = (d - n * LN2_HI) - n * LN2_LO
     p = jnp.full_like(r, _EXP_COEFFS[9])
     for c in _EXP_COEFFS[8::-1]:
-        p = p * r + c
+        p = mac(jnp.float32(c), p, r)
     two_n = _f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
     return p * two_n
 
@@ -100,7 +120,7 @@ def recip_f32(b):
     """1 / b for positive normal f32 b: bit-trick seed + 4 Newton steps (about 1 ulp)."""
     y = _f32(np.uint32(0x7EF311C3) - _u32(b))
     for _ in range(4):
-        y = y * (2.0 - b * y)
+        y = y * mac(jnp.float32(2.0), -b, y)
     return y
 
 
@@ -176,10 +196,10 @@ def compress_pool(keys, gates, ape_rows):
         m = jnp.maximum(m, s[j])
     e = [exp_f32(s[j] - m) for j in range(r)]
     den = e[0]
-    acc = keys[0].astype(jnp.float32) * e[0]
+    acc = mac(jnp.zeros_like(e[0]), keys[0].astype(jnp.float32), e[0])
     for j in range(1, r):
         den = den + e[j]
-        acc = acc + keys[j].astype(jnp.float32) * e[j]
+        acc = mac(acc, keys[j].astype(jnp.float32), e[j])
     x = round_bf16(acc * recip_f32(den))
     return rotate_quant(x)
 
