@@ -51,6 +51,29 @@ def _check_cache(op, cache, layout: CacheLayout):
     _check(op, "cache", cache, (layout.total_words,), (jnp.uint32,))
 
 
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool):
+    """Concrete inputs only: no valid pool slot twice; a flat batch completes <= T // kpool pools."""
+    if not _concrete(slot_mapping):
+        return
+    import numpy as np
+    sm = np.asarray(slot_mapping).ravel()
+    c = layout.config
+    limit = layout.num_blocks * c.pools_per_block
+    valid = (sm >= 0) & (sm < limit)
+    if flat_rows:
+        valid[: c.kpool - 1] = False
+        if valid.sum() > sm.size // c.kpool:
+            raise ValueError(f"{op}: slot_mapping completes {int(valid.sum())} pools in {sm.size} rows; "
+                             f"at most {sm.size // c.kpool} are possible (each pool owns kpool rows)")
+    v = sm[valid]
+    if np.unique(v).size != v.size:
+        raise ValueError(f"{op}: slot_mapping writes the same pool slot twice in one batch")
+
+
 def _strides(layout, layer, fault):
     return layout.strides(layer, fault=fault)
 
@@ -88,6 +111,7 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
     _check(op, "gate", gate, (t, 128), _BF16)
     _check(op, "ape", ape, (r, 128), (jnp.float32,))
     _check(op, "slot_mapping", slot_mapping, (t,), _INT)
+    _check_pool_slots(op, slot_mapping, layout, flat_rows=True)
     s = _strides(layout, layer, fault)
     if _impl(op, implementation) == "xla":
         return ref.compress_prefill_strides(cache, s, key, gate, ape, slot_mapping)
@@ -111,6 +135,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     _check(op, "ape", ape, (r, 128), (jnp.float32,))
     for name, x in (("slot_mapping", slot_mapping), ("tslot", tslot), ("positions", positions)):
         _check(op, name, x, (b, n), _INT)
+    _check_pool_slots(op, slot_mapping, layout, flat_rows=False)
     s = _strides(layout, layer, fault)
     if _impl(op, implementation) == "xla":
         return ref.decode_update_strides(cache, s, key, gate, ape, slot_mapping, tslot, positions)

@@ -20,13 +20,14 @@ from jax import lax
 
 from . import _backend as B
 from . import addressing as addr
+from . import numerics as nm
 from .strides import CacheStrides
 
 TILE_TOKENS = 64
 
 
 def _kernel(tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: CacheStrides, t_total: int):
-    # tslot_ref: [T] i32; key_ref, gate_ref: [T, 64] u32 (bf16 pairs); cache_ref: [rows, 1024] u32
+    # tslot_ref: [T] i32; key_ref, gate_ref: [T, 128] bf16; cache_ref: [rows, 1024] u32
     p = B.program_id(0)
     i = p * TILE_TOKENS + lax.broadcasted_iota(jnp.int32, (TILE_TOKENS,), 0)      # [TILE]
     in_range = i < t_total
@@ -37,13 +38,14 @@ def _kernel(tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: CacheStrid
               & ((ahead < 0) | (addr.tail_block(s, ahead) != addr.tail_block(s, ts))))
     blk = addr.tail_block(s, ts)
     ring_slot = jnp.where(seeded, ts, 0) % s.ring
+    col = lax.broadcasted_iota(jnp.int32, (TILE_TOKENS, 128), 1)                   # [TILE, 128]
+    rows = jnp.minimum(i, t_total - 1)[:, None] + 0 * col                           # [TILE, 128]
     w = lax.broadcasted_iota(jnp.int32, (TILE_TOKENS, addr.TAIL_ROW_WORDS), 1)   # [TILE, 64]
-    rows = jnp.minimum(i, t_total - 1)[:, None] + 0 * w                             # [TILE, 64]
     m2 = seeded[:, None] & (w >= 0)
     for half, src in ((0, key_ref), (1, gate_ref)):
-        words = B.gather(src, rows, w, mask=m2)                                     # [TILE, 64] u32
+        row = B.gather(src, rows, col, mask=seeded[:, None] & (col >= 0))           # [TILE, 128] bf16
         r, c = addr.split_word(s, addr.tail_row_words(s, blk, ring_slot, half)[:, None] + w)
-        B.scatter(cache_ref, r, c, words, m2)
+        B.scatter(cache_ref, r, c, nm.pack_bf16_words(row), m2)
 
 
 @functools.partial(jax.jit, static_argnames=("s", "interpret"))
@@ -52,7 +54,6 @@ def seed_tail(cache, s: CacheStrides, key, gate, tslot, *, interpret=None):
     t = key.shape[0]
     if t == 0:
         return cache
-    as_words = lambda x: lax.bitcast_convert_type(x.astype(jnp.bfloat16).reshape(t, 64, 2), jnp.uint32)
     view = cache.reshape(addr.view_shape(s))
     out = B.pallas_call(
         functools.partial(_kernel, s=s, t_total=t),
@@ -60,7 +61,7 @@ def seed_tail(cache, s: CacheStrides, key, gate, tslot, *, interpret=None):
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
         input_output_aliases={3: 0},
         interpret=interpret, name="kpool_seed_tail", num_warps=4,
-    )(tslot.astype(jnp.int32), as_words(key), as_words(gate), view)
+    )(tslot.astype(jnp.int32), key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), view)
     return out.reshape(-1)
 
 

@@ -1,0 +1,62 @@
+"""Timing helpers shared by the benchmark scripts (GPU first; they run on CPU too).
+
+Kernels are timed inside ONE jitted program that chains `reps` calls, the cache
+threaded through and donated, so the time is device time per call (launch
+included), not Python dispatch. Reported numbers are ratios against baselines
+measured in the same run: device-to-device copy bandwidth, an empty Pallas
+launch, the XLA reference.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+
+def time_chain(step, state, *args, reps=20, trials=5):
+    """Median seconds per call of `state = step(state, *args)` chained `reps` times in one jit."""
+    @functools.partial(jax.jit, donate_argnums=0)
+    def chain(s, *a):
+        for _ in range(reps):
+            s = step(s, *a)
+        return s
+
+    state = chain(state, *args)             # compile + warm up
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        state = chain(state, *args)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t0) / reps)
+    return float(np.median(times)), state
+
+
+def copy_bandwidth(nbytes=1 << 30):
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), measured now."""
+    x = jnp.zeros((nbytes // 4,), jnp.uint32)
+
+    def step(s):                          # reads and writes every word once; the barrier
+        return jax.lax.optimization_barrier(s + jnp.uint32(1))   # stops XLA fusing the chain
+    t, _ = time_chain(step, x, reps=10)
+    return 2 * nbytes / t
+
+
+def _empty_kernel(x_ref, o_ref):
+    pass
+
+
+def empty_launch_seconds():
+    """Seconds per call of an empty Pallas kernel (one program) chained in one jit."""
+    from pallas_kernels import _backend as B
+    x = jnp.zeros((1024,), jnp.uint32)
+
+    def step(s):
+        return B.pallas_call(_empty_kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),
+                             input_output_aliases={0: 0}, interpret=None, name="empty", num_warps=1)(s)
+    t, _ = time_chain(step, x, reps=50)
+    return t

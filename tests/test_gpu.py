@@ -1,0 +1,102 @@
+"""GPU-only checks of the compiled kernels: in-place updates (no cache copy in
+the compiled HLO, same buffer), caches larger than 2 and 4 GiB with writes past
+byte 2**31, and out-of-range slots that must not write (interpret mode clamps
+out-of-bounds accesses, so only a GPU run proves these)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import ops, reference as ref
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+from glm5_jax.testing import Scenario
+
+pytestmark = pytest.mark.gpu
+
+
+def _ops_and_args(rng, layout):
+    sc = Scenario.random(rng, layout, [310, 45])
+    pre = sc.prefill([300, 37])
+    st = sc.decode([300, 37], [4, 4], 4)
+    ape = jnp.asarray(sc.ape)
+    a = {k: jnp.asarray(v) for k, v in pre.items()}
+    d = {k: jnp.asarray(v) for k, v in st.items()}
+    return {
+        "compress_prefill": (lambda c: ops.compress_prefill(c, layout, 0, a["key"], a["gate"], ape,
+                                                           a["slot_mapping"], implementation="pallas")),
+        "seed_tail": (lambda c: ops.seed_tail(c, layout, 0, a["key"], a["gate"], a["tslot"],
+                                             implementation="pallas")),
+        "decode_update": (lambda c: ops.decode_update(c, layout, 0, d["key"], d["gate"], ape, d["slot_mapping"],
+                                                     d["tslot"], d["positions"], implementation="pallas")),
+    }
+
+
+@pytest.mark.parametrize("op", ["compress_prefill", "seed_tail", "decode_update"])
+def test_in_place_no_copy(rng, op):
+    layout = CacheLayout(IndexerConfig(), num_layers=2, num_blocks=64)
+    f = _ops_and_args(rng, layout)[op]
+    jf = jax.jit(f, donate_argnums=0)
+    cache = layout.allocate(0)
+    hlo = jf.lower(cache).compile().as_text()
+    n = layout.total_words
+    copies = [l for l in hlo.splitlines() if re.search(r"\bcopy(-start)?\(", l) and str(n) in l]
+    assert not copies, "the compiled step copies the cache:\n" + "\n".join(copies)
+    ptr = cache.unsafe_buffer_pointer()
+    out = jf(cache)
+    assert out.unsafe_buffer_pointer() == ptr, "the cache did not stay in place"
+
+
+@pytest.mark.parametrize("gib", [3, 5])
+def test_large_cache_writes_past_2gib(rng, gib):
+    """A cache of `gib` GiB whose last layer starts past byte 2**31: pallas == reference."""
+    cfg = IndexerConfig()
+    blocks = 4096
+    layers = -(-gib * 2**30 // (blocks * cfg.index_block_bytes))
+    layout = CacheLayout(cfg, num_layers=layers, num_blocks=blocks)
+    layer = layers - 1
+    assert layout.index_base_bytes(layer) >= 2**31
+    sc = Scenario.random(rng, layout, [2000, 999, 5], layer=layer)
+    # put one request in the very last blocks
+    sc.requests[0].index_blocks = np.array([blocks - 3, blocks - 2])
+    sc.requests[0].tail_block = blocks - 1
+    pre = sc.prefill([1990, 999, 5])
+    st = sc.decode([1990, 999, 5], [4, 0, 0], 4)
+    out = {}
+    for impl in ("xla", "pallas"):
+        c = layout.allocate(0x5A)
+        a = {k: jnp.asarray(v) for k, v in pre.items()}
+        c = ops.compress_prefill(c, layout, layer, a["key"], a["gate"], jnp.asarray(sc.ape), a["slot_mapping"],
+                                 implementation=impl)
+        c = ops.seed_tail(c, layout, layer, a["key"], a["gate"], a["tslot"], implementation=impl)
+        d = {k: jnp.asarray(v) for k, v in st.items()}
+        c = ops.decode_update(c, layout, layer, d["key"], d["gate"], jnp.asarray(sc.ape), d["slot_mapping"],
+                              d["tslot"], d["positions"], implementation=impl)
+        out[impl] = c
+    ndiff = int(jnp.sum(out["xla"] != out["pallas"]))
+    assert ndiff == 0, f"{ndiff} words differ between the kernels and the reference"
+    # something was written past byte 2**31, inside the last blocks
+    lo = layout.block_byte_range(layer, blocks - 3)[0] // 4
+    assert lo * 4 >= 2**31
+    assert int(jnp.sum(out["pallas"][lo:] != jnp.uint32(0x5A5A5A5A))) > 0
+
+
+def test_out_of_range_slots_never_write(rng):
+    """Slots past the last block (spec B8) and padding write nothing, compiled."""
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
+    t = 64
+    key = jnp.asarray(rng.standard_normal((t, 128)), jnp.bfloat16)
+    big = np.array([8 * 288, 10**6, 2**31 - 1, -1, -5], np.int32)
+    slot = jnp.asarray(np.resize(big, t))
+    tslot = jnp.asarray(np.resize(np.array([8 * 4, 8 * 4 + 3, 10**7, -1], np.int32), t))
+    c0 = layout.allocate(0x33)
+    c = ops.compress_prefill(c0, layout, 0, key, key, jnp.zeros((4, 128), jnp.float32), slot,
+                             implementation="pallas")
+    c = ops.seed_tail(c, layout, 0, key, key, tslot, implementation="pallas")
+    pos = jnp.asarray(np.resize(np.array([3, 7, 11, -1], np.int32), (16, 4)))
+    c = ops.decode_update(c, layout, 0, key[:64].reshape(16, 4, 128), key[:64].reshape(16, 4, 128),
+                          jnp.zeros((4, 128), jnp.float32), slot.reshape(16, 4), tslot.reshape(16, 4), pos,
+                          implementation="pallas")
+    assert int(jnp.sum(c != jnp.uint32(0x33333333))) == 0
