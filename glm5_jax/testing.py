@@ -144,10 +144,13 @@ class Scenario:
         m = L // R
         if m == 0:
             return np.zeros((0, 128), np.uint8), np.zeros((0,), np.float32)
-        k = jnp.asarray(r.key[:m * R]).reshape(m, R, 128)
-        g = jnp.asarray(r.gate[:m * R]).reshape(m, R, 128)
-        q8, scale = _golden_compress(k, g, jnp.asarray(self.ape))
-        return np.asarray(q8).view(np.uint8), np.asarray(scale)
+        mb = -(-m // 64) * 64                      # pad: one compile per 64 pools, not per count
+        k = np.zeros((mb, R, 128), ml_dtypes.bfloat16)
+        g = np.zeros((mb, R, 128), ml_dtypes.bfloat16)
+        k[:m] = r.key[:m * R].reshape(m, R, 128)
+        g[:m] = r.gate[:m * R].reshape(m, R, 128)
+        q8, scale = _golden_compress(jnp.asarray(k), jnp.asarray(g), jnp.asarray(self.ape, jnp.float32))
+        return np.asarray(q8)[:m].view(np.uint8), np.asarray(scale)[:m]
 
     def pool_slots(self, req_index: int, n_pools: int):
         """Pool slots of pools 0 .. n_pools-1 of a request, through the metadata builders."""

@@ -1,0 +1,396 @@
+"""pallas_kernels.numerics (spec section 2): Hadamard-128, exact power-of-two
+scales, fp8/bf16 rounding with integer ops, the context-independent exp and
+reciprocal, and the exact-product multiply-add. Compared against float64 /
+ml_dtypes / a literal numpy butterfly, bit for bit where the spec promises bits."""
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from pallas_kernels import numerics as nm
+
+F32 = np.float32
+
+
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def _ulp_diff(a, b):
+    """|a - b| in units of float32 ordering (a, b float32 arrays of the same sign class)."""
+    ia = np.asarray(a, np.float32).view(np.int32).astype(np.int64)
+    ib = np.asarray(b, np.float32).view(np.int32).astype(np.int64)
+    ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
+    ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return np.abs(ia - ib)
+
+
+def _random_f32(rng, n, lo=-30, hi=30):
+    """Signed values spread over many binades."""
+    return (rng.choice([-1.0, 1.0], n) * np.exp2(rng.uniform(lo, hi, n)) *
+            rng.uniform(1, 2, n)).astype(F32)
+
+
+# ---------------------------------------------------------------------------------
+# Hadamard-128
+# ---------------------------------------------------------------------------------
+def _hadamard_matrix64():
+    i = np.arange(128)
+    pc = np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :])
+    return np.where(pc % 2 == 0, 1.0, -1.0)
+
+
+def _butterfly_np(x):
+    """The literal in-place butterfly of spec 2.1 in float32 numpy."""
+    y = np.array(x, dtype=F32, copy=True)
+    s = 1
+    while s < 128:
+        for g in range(0, 128, 2 * s):
+            a = y[..., g:g + s].copy()
+            b = y[..., g + s:g + 2 * s].copy()
+            y[..., g:g + s] = a + b
+            y[..., g + s:g + 2 * s] = a - b
+        s *= 2
+    return y
+
+
+def test_hadamard_matrix_recursion_matches_popcount():
+    h = np.array([[1.0]])
+    for _ in range(7):
+        h = np.block([[h, h], [h, -h]])
+    np.testing.assert_array_equal(h, _hadamard_matrix64())
+
+
+def test_hadamard128_matches_matrix_definition(rng):
+    x = (rng.standard_normal((64, 128)) * np.exp2(rng.uniform(-10, 10, (64, 1)))).astype(F32)
+    x[0] = 0
+    x[1] = np.eye(128, dtype=F32)[37]            # a basis vector picks one matrix row
+    got = np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x)))
+    want = x.astype(np.float64) @ _hadamard_matrix64()      # H symmetric: x.H
+    tol = 7 * 2.0**-24 * np.abs(x).astype(np.float64).sum(-1, keepdims=True)
+    assert np.all(np.abs(got - want) <= tol)
+    np.testing.assert_array_equal(got[1], _hadamard_matrix64()[37].astype(F32))
+    assert np.all(got[0] == 0)
+    # orthogonality: H.H = 128 I, so applying twice returns 128 x (to rounding)
+    twice = np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(got)))
+    np.testing.assert_allclose(twice, 128 * x.astype(np.float64), rtol=0,
+                               atol=float(np.max(1e-5 * 128 * np.abs(x).sum(-1))))
+
+
+def test_hadamard128_equals_numpy_butterfly_bitwise(rng):
+    x = (rng.standard_normal((3, 5, 128)) * np.exp2(rng.uniform(-20, 20, (3, 5, 1)))).astype(F32)
+    want = _butterfly_np(x)
+    got_jit = np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x)))
+    got_eager = np.asarray(nm.hadamard128(jnp.asarray(x)))
+    got_flat = np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x.reshape(15, 128)))).reshape(x.shape)
+    got_row = np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x[1, 2])))
+    for got in (got_jit, got_eager, got_flat):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(_bits(got_row), _bits(want[1, 2]))
+
+
+def test_hadamard128_differs_from_dense_matmul_only_in_rounding(rng):
+    """Self-check that the bitwise butterfly test is sharp: an fp32 dense product of the
+    same matrix is not always bit-equal to the butterfly."""
+    x = rng.standard_normal((512, 128)).astype(F32)
+    dense = (x @ _hadamard_matrix64().astype(F32)).astype(F32)
+    bfly = _butterfly_np(x)
+    assert np.any(_bits(dense) != _bits(bfly))
+    assert np.max(np.abs(dense - bfly)) < 1e-4
+
+
+# ---------------------------------------------------------------------------------
+# power-of-two scale and fp8 quantisation
+# ---------------------------------------------------------------------------------
+def _is_pow2(x):
+    x = np.asarray(x, np.float32)
+    m, _ = np.frexp(x)
+    return (x > 0) & (m == 0.5)
+
+
+def test_pow2_scale_exact_powers(rng):
+    amax = np.concatenate([
+        np.exp2(rng.uniform(-40, 127, 3000)).astype(F32),           # spread
+        np.exp2(np.arange(-13, 118)).astype(F32) * 448,               # exactly at 2^k * 448
+        np.exp2(np.arange(-13, 126)).astype(F32),                     # exact powers of two
+        np.nextafter(np.exp2(np.arange(-13, 110)).astype(F32) * 448, F32(np.inf)),
+        np.nextafter(np.exp2(np.arange(-13, 110)).astype(F32) * 448, F32(0)),
+        np.array([1e-4, 1.1e-4, 448, 449, 1e38, 3.3e38], F32),
+    ]).astype(F32)
+    scale, inv = jax.jit(nm.pow2_scale)(jnp.asarray(amax))
+    scale, inv = np.asarray(scale), np.asarray(inv)
+    assert np.all(_is_pow2(scale)) and np.all(_is_pow2(inv))
+    assert np.all(scale.astype(np.float64) * inv.astype(np.float64) == 1.0)
+    # ceil: v = max(amax, 1e-4) * fl(1/448) is <= scale < 2 v (so the scale is the smallest one)
+    v = np.maximum(amax, F32(1e-4)).astype(F32) * F32(1.0 / 448.0)
+    v = v.astype(np.float64)
+    assert np.all(v <= scale) and np.all(scale < 2 * v)
+    # every value quantises into [-448, 448] (up to the one-ulp slack of fl(1/448); the clip covers it)
+    q = amax.astype(np.float64) * inv
+    assert np.all(q <= 448 * (1 + 2.0**-22))
+    assert np.all(q[amax >= 1e-4] > 224 * (1 - 2.0**-22))
+
+
+def test_pow2_scale_floor_for_small_inputs():
+    amax = np.array([0.0, 1e-45, 1e-38, 1e-20, 1e-5, 9.99e-5, np.float32(1e-4)], F32)
+    scale, inv = jax.jit(nm.pow2_scale)(jnp.asarray(amax))
+    assert np.all(np.asarray(scale) == np.float32(2.0**-22))
+    assert np.all(np.asarray(inv) == np.float32(2.0**22))
+    # 2^-22 is what the spec derives: 2^ceil(log2(1e-4/448))
+    assert 2.0**math.ceil(math.log2(1e-4 / 448)) == 2.0**-22
+
+
+def test_quant_fp8_no_nan_and_bounded(rng):
+    rows = [
+        np.zeros(128, F32),
+        np.full(128, 1e38, F32),
+        -np.full(128, 1e38, F32),
+        np.full(128, 3e-42, F32),                     # f32 subnormals
+        np.full(128, 1e-30, F32),
+        _random_f32(rng, 128, -126, 127),             # huge dynamic range in one row
+        _random_f32(rng, 128, -3, 3),
+    ]
+    y = np.stack(rows)
+    q8, scale = jax.jit(nm.quant_fp8)(jnp.asarray(y))
+    q = np.asarray(q8).astype(np.float32)
+    scale = np.asarray(scale)
+    codes = np.asarray(q8).view(np.uint8)
+    assert not np.any(np.isnan(q)) and not np.any((codes & 0x7F) == 0x7F)        # no NaN codes
+    assert np.all(np.abs(q) <= 448)
+    assert np.all(_is_pow2(scale))
+    assert scale[0] == scale[3] == scale[4] == F32(2.0**-22)
+    assert np.all(codes[0] == 0)
+    # the +-1e38 rows hit the top of the fp8 range, same magnitude, opposite sign
+    np.testing.assert_array_equal(codes[1] ^ 0x80, codes[2])
+    assert np.all(np.abs(q[1]) > 224)
+    deq = q.astype(np.float64) * scale[:, None]
+    ok = np.abs(deq - y) <= 2.0**-4 * np.abs(y) + scale[:, None] * 2.0**-10
+    assert np.all(ok[[0, 1, 2, 6]])
+
+
+def test_fwht_quant_rows_no_nan_for_extreme_inputs(rng):
+    q = np.zeros((5, 128), ml_dtypes.bfloat16)
+    q[1, 3] = 1e38                                   # a spike: each output is +-1e38/sqrt(128)
+    q[2] = np.float32(1e-38)                         # bf16 of a tiny f32 (normal bf16)
+    q[3] = _random_f32(rng, 128, -40, 40)
+    q[4, :2] = -1.5e38                              # outputs +-3e38 or 0: still finite
+    q8, scale = jax.jit(nm.fwht_quant_rows)(jnp.asarray(q))
+    q8 = np.asarray(q8).astype(np.float32)
+    assert not np.any(np.isnan(q8)) and not np.any(np.isnan(np.asarray(scale)))
+    assert np.all(np.isfinite(np.asarray(scale)))
+    assert np.all(_is_pow2(np.asarray(scale)))
+    assert np.all(np.asarray(q8)[0] == 0)
+
+
+# ---------------------------------------------------------------------------------
+# bit-level conversions vs ml_dtypes
+# ---------------------------------------------------------------------------------
+def _e4m3_edge_values():
+    v = []
+    # every fp8 value and every midpoint between neighbours (ties), both signs
+    codes = np.arange(0, 0x7F, dtype=np.uint8)                     # 0x7F is NaN
+    vals = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    mids = (vals[:-1] + vals[1:]) / 2
+    v += [vals, mids, np.nextafter(mids, 0), np.nextafter(mids, 1e9)]
+    # subnormal range 2^-9 .. 2^-6 and below the smallest subnormal
+    v += [np.linspace(0, 2.0**-6, 257), np.array([2.0**-10, 2.0**-10 * 1.0001, 2.0**-11, 1e-30, 0.0])]
+    v += [np.array([448.0, 447.9, 440.0, 432.0, 416.0, 2.0**-6, 2.0**-7, 0.0625, 1.0, 1.0625, 1.125])]
+    out = np.concatenate(v).astype(F32)
+    return np.concatenate([out, -out])
+
+
+def test_e4m3_bits_equals_ml_dtypes(rng):
+    x = np.concatenate([
+        _e4m3_edge_values(),
+        _random_f32(rng, 20000, -14, 9),
+        rng.uniform(-448, 448, 20000).astype(F32),
+        rng.uniform(-2.0**-5, 2.0**-5, 20000).astype(F32),
+    ])
+    x = np.clip(x, -448, 448).astype(F32)
+    got = np.asarray(jax.jit(nm.e4m3_bits)(jnp.asarray(x)))
+    assert got.dtype == np.uint8
+    want = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, (f"{bad.size} mismatches, e.g. x={x[bad[:5]]!r} "
+                           f"got={got[bad[:5]]} want={want[bad[:5]]}")
+    # the same bits eagerly (op by op) as under jit
+    np.testing.assert_array_equal(np.asarray(nm.e4m3_bits(jnp.asarray(x[:4096]))), want[:4096])
+
+
+def test_round_bf16_equals_ml_dtypes(rng):
+    u = rng.integers(0, 2**32, 50000, dtype=np.uint64).astype(np.uint32)
+    x = u.view(np.float32)
+    x = x[np.isfinite(x)]
+    # ties: low 16 bits exactly 0x8000 (even and odd upper halves), and just around them
+    hi = rng.integers(0, 0x7F7F, 2000, dtype=np.uint32) << 16
+    sgn = (rng.integers(0, 2, 2000, dtype=np.uint32) << 31)
+    ties = np.concatenate([hi | 0x8000, hi | 0x7FFF, hi | 0x8001, hi | 0x18000]) | np.tile(sgn, 4)
+    extra = np.array([0.0, -0.0, 1.0, 3.3895e38, 1e-40, -1e-45, 65504.0], F32)
+    x = np.concatenate([x, ties.view(np.float32), extra, _random_f32(rng, 5000)]).astype(F32)
+    got = np.asarray(jax.jit(nm.round_bf16)(jnp.asarray(x)))
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    bad = np.nonzero(_bits(got) != _bits(want))[0]
+    assert bad.size == 0, f"{bad.size} mismatches, e.g. {x[bad[:5]]!r}"
+
+
+# ---------------------------------------------------------------------------------
+# exp, reciprocal, exact-product multiply-add
+# ---------------------------------------------------------------------------------
+def test_exp_f32_accuracy(rng):
+    d = np.concatenate([
+        rng.uniform(-87, 0, 200000),
+        -np.exp2(rng.uniform(-40, 6, 20000)),
+        np.arange(-87, 1, dtype=np.float64),                 # integers
+        -np.arange(0, 126) * math.log(2),                     # near multiples of ln 2
+        [0.0, -0.0, -1e-30, -86.99, -87.0],
+    ]).astype(F32)
+    got = np.asarray(jax.jit(nm.exp_f32)(jnp.asarray(d)))
+    want = np.exp(d.astype(np.float64)).astype(F32)          # correctly rounded (to f64 accuracy)
+    ulps = _ulp_diff(got, want)
+    assert ulps.max() <= 2, f"max {ulps.max()} ulp at d={d[np.argmax(ulps)]!r}"
+    assert got[d == 0][0] == 1.0
+    assert np.all(got > 0) and np.all(got <= 1.0)
+
+
+def test_exp_f32_is_context_independent(rng):
+    """Same bits eagerly, under jit, fused into other ops, vmapped and inside a fori_loop."""
+    d = np.concatenate([rng.uniform(-87, 0, 4096), -np.exp2(rng.uniform(-30, 6, 1024))]).astype(F32)
+    x = jnp.asarray(d)
+    ref = np.asarray(jax.jit(nm.exp_f32)(x))
+    eager = np.asarray(nm.exp_f32(x))
+
+    def in_loop(x):
+        def body(i, c):
+            acc, xs = c
+            e = nm.exp_f32(xs)
+            return acc + e * (i == 2).astype(jnp.float32), xs
+        return lax.fori_loop(0, 3, body, (jnp.zeros_like(x), x))[0]
+
+    def fused(a, b):         # exp(s - max) as in the pool softmax, then a sum
+        m = jnp.maximum(a, b)
+        e = nm.exp_f32(a - m) + nm.exp_f32(b - m)
+        return nm.exp_f32(a - m), e
+
+    def scanned(x):
+        return lax.scan(lambda c, xi: (c, nm.exp_f32(xi)), 0.0, x.reshape(-1, 128))[1].reshape(-1)
+
+    loop = np.asarray(jax.jit(in_loop)(x))
+    other = rng.uniform(-87, 0, d.size).astype(F32)
+    fus = np.asarray(jax.jit(fused)(x, jnp.asarray(other))[0])
+    vm = np.asarray(jax.jit(jax.vmap(nm.exp_f32))(x.reshape(-1, 128))).reshape(-1)
+    sc = np.asarray(jax.jit(scanned)(x))
+    for name, got in (("eager", eager), ("fori_loop", loop), ("vmap", vm), ("scan", sc)):
+        np.testing.assert_array_equal(_bits(got), _bits(ref), err_msg=name)
+    # fused into the softmax: the same bits as exp_f32 of the same (numpy-computed) argument
+    s = (d - np.maximum(d, other)).astype(F32)
+    np.testing.assert_array_equal(_bits(fus), _bits(np.asarray(jax.jit(nm.exp_f32)(jnp.asarray(s)))))
+
+
+def test_recip_f32_accuracy(rng):
+    b = np.concatenate([
+        np.exp2(rng.uniform(-100, 100, 100000)),
+        rng.uniform(1, 4, 100000),                       # the softmax denominator range [1, R]
+        np.exp2(np.arange(-100, 101)),
+        [1.0, 2.0, 3.0, 4.0, 16.0, 1.0000001, 3.9999998],
+    ]).astype(F32)
+    got = np.asarray(jax.jit(nm.recip_f32)(jnp.asarray(b)))
+    want = (1.0 / b.astype(np.float64)).astype(F32)
+    ulps = _ulp_diff(got, want)
+    assert ulps.max() <= 2, f"max {ulps.max()} ulp at b={b[np.argmax(ulps)]!r}"
+    loop = np.asarray(jax.jit(lambda x: lax.fori_loop(0, 2, lambda i, c: nm.recip_f32(x), x))(jnp.asarray(b)))
+    np.testing.assert_array_equal(_bits(loop), _bits(got))
+
+
+def _split12_np(a):
+    hi = (np.asarray(a, F32).view(np.uint32) & np.uint32(0xFFFFF000)).view(np.float32)
+    return hi, (a - hi).astype(F32)
+
+
+def test_mac_exact_partial_products(rng):
+    n = 50000
+    a = _random_f32(rng, n, -30, 30)
+    b = _random_f32(rng, n, -30, 30)
+    c = _random_f32(rng, n, -30, 30)
+    ah, al = _split12_np(a)
+    bh, bl = _split12_np(b)
+    # the split is exact and each half has <= 12 significant bits
+    assert np.all(ah.astype(np.float64) + al == a.astype(np.float64))
+    for part in (ah, al, bh, bl):
+        m, _ = np.frexp(part.astype(np.float64))
+        assert np.all(m * 2**12 == np.round(m * 2**12))
+    # every partial product is exact in f32 (so FMA contraction cannot change a bit)
+    for x, y in ((ah, bh), (ah, bl), (al, bh), (al, bl)):
+        assert np.all((x * y).astype(np.float64) == x.astype(np.float64) * y.astype(np.float64))
+    # the jitted mac equals the step-by-step f32 evaluation bit for bit
+    want = ((c + ah * bh).astype(F32) + (ah * bl + al * bh).astype(F32)).astype(F32) + (al * bl)
+    want = want.astype(F32)
+    got = np.asarray(jax.jit(nm.mac)(jnp.asarray(c), jnp.asarray(a), jnp.asarray(b)))
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    # and it is an accurate c + a*b
+    exact = c.astype(np.float64) + a.astype(np.float64) * b.astype(np.float64)
+    scale = np.abs(c).astype(np.float64) + np.abs(a.astype(np.float64) * b)
+    assert np.all(np.abs(got - exact) <= 3 * 2.0**-24 * scale)
+    # same bits when the products are contracted with the adds in another context
+    in_loop = jax.jit(lambda c, a, b: lax.fori_loop(0, 2, lambda i, acc: nm.mac(c, a, b), c))
+    np.testing.assert_array_equal(_bits(in_loop(jnp.asarray(c), jnp.asarray(a), jnp.asarray(b))), _bits(want))
+
+
+# ---------------------------------------------------------------------------------
+# query side: fwht_quant_rows vs a float64 re-derivation
+# ---------------------------------------------------------------------------------
+def test_fwht_quant_rows_vs_float64(rng):
+    rows = 300
+    q = (rng.standard_normal((rows, 128)) * np.exp2(rng.uniform(-12, 12, (rows, 1)))).astype(ml_dtypes.bfloat16)
+    q[0] = 0
+    q[1, :] = 0
+    q[1, 5] = 2.5                                   # flat spectrum: every output +-2.5/sqrt(128)
+    q8, scale = jax.jit(nm.fwht_quant_rows)(jnp.asarray(q))
+    q8, scale = np.asarray(q8), np.asarray(scale)
+    assert q8.dtype == ml_dtypes.float8_e4m3fn and q8.shape == (rows, 128) and scale.shape == (rows,)
+    y = q.astype(np.float64) @ _hadamard_matrix64() / math.sqrt(128)
+    deq = q8.astype(np.float64) * scale[:, None]
+    tol = (2.0**-4 + 2.0**-8) * np.abs(y) + scale[:, None] * 2.0**-10
+    assert np.all(np.abs(deq - y) <= tol)
+    assert np.all(_is_pow2(scale))
+    amax = np.maximum(np.abs(y).max(-1), 1e-4)
+    want_scale = np.exp2(np.ceil(np.log2(amax / 448)))
+    # equal except where the bf16 rounding of y crosses a power-of-two boundary
+    assert np.mean(scale == want_scale) > 0.98
+    assert np.all((scale == want_scale) | (scale == 2 * want_scale) | (scale == want_scale / 2))
+    assert scale[0] == F32(2.0**-22) and np.all(q8[0].astype(np.float32) == 0)
+    np.testing.assert_array_equal(np.abs(deq[1]), np.full(128, np.abs(deq[1, 0])))
+    # == numpy: butterfly in f32, * 1/sqrt(128), bf16 round, pow2 scale, e4m3 round (RNE)
+    y32 = _butterfly_np(q.astype(F32)) * F32(nm.INV_SQRT_128)
+    yb = y32.astype(F32).astype(ml_dtypes.bfloat16).astype(F32)
+    s_np = np.asarray(nm.pow2_scale(jnp.asarray(np.abs(yb).max(-1)))[0])
+    np.testing.assert_array_equal(_bits(scale), _bits(s_np))
+    want8 = np.clip(yb / s_np[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(q8.view(np.uint8), want8.view(np.uint8))
+
+
+# ---------------------------------------------------------------------------------
+# the whole pool compression: same bits in any context
+# ---------------------------------------------------------------------------------
+def test_compress_pool_context_independent(rng):
+    from glm5_jax.testing import random_ape, random_rows
+    R, m = 4, 96
+    k = jnp.asarray(random_rows(rng, m * R).reshape(m, R, 128))
+    g = jnp.asarray(random_rows(rng, m * R).reshape(m, R, 128))
+    ape = jnp.asarray(random_ape(rng, R))
+
+    def pools(k, g):
+        return nm.compress_pool([k[..., j, :] for j in range(R)], [g[..., j, :] for j in range(R)],
+                                [ape[j] for j in range(R)])
+
+    q_ref, s_ref = jax.jit(pools)(k, g)
+    q_vm, s_vm = jax.jit(jax.vmap(pools))(k[:, None], g[:, None])
+    q_loop, s_loop = jax.jit(lambda k, g: lax.fori_loop(0, 2, lambda i, c: pools(k, g), pools(k, g)))(k, g)
+    q_half, s_half = jax.jit(pools)(k[: m // 2], g[: m // 2])
+    for name, q, s in (("vmap", q_vm[:, 0], s_vm[:, 0]), ("fori_loop", q_loop, s_loop)):
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q_ref).view(np.uint8), err_msg=name)
+        np.testing.assert_array_equal(_bits(s), _bits(s_ref), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(q_half).view(np.uint8), np.asarray(q_ref)[: m // 2].view(np.uint8))
+    assert np.all(_is_pow2(np.asarray(s_ref)))
