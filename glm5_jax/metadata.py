@@ -76,6 +76,9 @@ def compressed_slot_mapping(positions_tokens, request_index, page_table_pages_, 
         raise ValueError(f"a pool lies beyond its request's page table ({table.shape[1]} pages of "
                          f"{p} pools): the table is too short for the positions")
     page = table[np.where(valid, req, 0), np.where(valid, col, 0)]
+    if valid.any() and (page[valid] < config.pages_per_block).any():
+        raise ValueError("a pool maps to a page of the null block 0 (table padding): the "
+                         "request's block table has no block for that position")
     out[valid] = (page * p + cpos % p)[valid]
     return out.astype(np.int32)
 

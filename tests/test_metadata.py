@@ -209,3 +209,14 @@ def test_long_positions_tail_and_slot_int32():
     pos = np.array([2**20 - 1, 2**20, 2**17 + 5], np.int64)
     t = md.tail_slot_mapping(pos, np.zeros(3, np.int64), np.array([799]), cfg)
     np.testing.assert_array_equal(t, 799 * 8 + pos % 8)
+
+
+def test_pool_on_null_block_page_is_an_error():
+    """A table padding entry (block 0, the null block) must never receive a pool."""
+    cfg = IndexerConfig()
+    pages = md.page_table_pages(np.array([[5, 0]]), cfg)          # second block missing
+    pos = np.array([cfg.block_size + cfg.kpool - 1])                 # first pool of block column 1
+    with pytest.raises(ValueError, match="null block"):
+        md.compressed_slot_mapping(pos, np.array([0]), pages, cfg)
+    ok = md.compressed_slot_mapping(np.array([cfg.kpool - 1]), np.array([0]), pages, cfg)
+    assert ok[0] == 5 * cfg.pools_per_block
