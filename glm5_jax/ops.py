@@ -55,15 +55,20 @@ def _concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool):
-    """Concrete inputs only: no valid pool slot twice; a flat batch completes <= T // kpool pools."""
-    if not _concrete(slot_mapping):
+def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool, positions=None):
+    """Concrete inputs only: no valid pool slot twice; a flat batch completes <= T // kpool pools.
+
+    Decode tokens with position < 0 are padding and never write, whatever their slot.
+    """
+    if not _concrete(slot_mapping, positions):
         return
     import numpy as np
     sm = np.asarray(slot_mapping).ravel()
     c = layout.config
     limit = layout.num_blocks * c.pools_per_block
     valid = (sm >= 0) & (sm < limit)
+    if positions is not None:
+        valid &= np.asarray(positions).ravel() >= 0
     if flat_rows:
         valid[: c.kpool - 1] = False
         if valid.sum() > sm.size // c.kpool:
@@ -128,6 +133,8 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     """
     op = "decode_update"
     _check_cache(op, cache, layout)
+    if positions.ndim != 2:
+        raise ValueError(f"{op}: positions must be [B, n] int32, got shape {tuple(positions.shape)}")
     b, n = positions.shape
     r = layout.config.kpool
     _check(op, "key", key, (b, n, 128), _BF16)
@@ -135,7 +142,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     _check(op, "ape", ape, (r, 128), (jnp.float32,))
     for name, x in (("slot_mapping", slot_mapping), ("tslot", tslot), ("positions", positions)):
         _check(op, name, x, (b, n), _INT)
-    _check_pool_slots(op, slot_mapping, layout, flat_rows=False)
+    _check_pool_slots(op, slot_mapping, layout, flat_rows=False, positions=positions)
     s = _strides(layout, layer, fault)
     if _impl(op, implementation) == "xla":
         return ref.decode_update_strides(cache, s, key, gate, ape, slot_mapping, tslot, positions)
@@ -151,5 +158,265 @@ def fwht_quant(q, *, implementation=None, interpret=None):
     _check(op, "q", q, q.shape, _BF16)
     if _impl(op, implementation) == "xla":
         return ref.fwht_quant(q)
-    raise NotImplementedError(f"{op}: the Pallas kernel arrives with the read-path issue; "
-                              f"use implementation='xla'")
+    from pallas_kernels.query_quant import fwht_quant as kernel
+    return kernel(q, interpret=interpret)
+
+
+# =================================================================================
+# Read path (spec 1.3, 2.3-2.5, 5.5-5.10): query preparation, paged logits, exact
+# top-k over pools, expansion to tokens, and the whole token selection.
+# =================================================================================
+_F32 = (jnp.float32,)
+_FP8 = (jnp.float8_e4m3fn,)
+READ_PATHS = ("fused", "unfused")
+
+
+def padded_heads(n_heads: int) -> int:
+    """Heads the logits run with: 32 for n_heads <= 32, else 64 (1 <= n_heads <= 64)."""
+    return ref.padded_heads(n_heads)
+
+
+def fold_weights(weights, q_scale):
+    """w' = w * qs * 128**-0.5 * H**-0.5 (real H), zero-padded to padded_heads(H) (spec 2.3).
+
+    weights, q_scale: [..., H] f32 -> [..., Hp] f32.
+    """
+    op = "fold_weights"
+    _check(op, "weights", weights, weights.shape, _F32)
+    _check(op, "q_scale", q_scale, weights.shape, _F32)
+    return ref.fold_weights(weights, q_scale)
+
+
+def pad_heads(q8):
+    """[..., H, 128] float8_e4m3fn -> [..., padded_heads(H), 128] (zero heads appended)."""
+    if q8.ndim < 2 or q8.shape[-1] != 128:
+        raise ValueError(f"pad_heads: q8 must be [..., H, 128], got {tuple(q8.shape)}")
+    _check("pad_heads", "q8", q8, q8.shape, _FP8)
+    return ref.pad_heads(q8)
+
+
+def prepare_queries(q, weights, *, implementation=None, interpret=None):
+    """Query side of one indexer layer (spec 2.3, 5.1).
+
+    q: [..., H, 128] bf16; weights: [..., H] f32 (per-head weights, computed in f32).
+    Returns (q8 [..., Hp, 128] float8_e4m3fn, w' [..., Hp] f32): every (token, head)
+    row rotated and quantised (``fwht_quant``), the query scale and
+    128**-0.5 * H**-0.5 folded into the weights, heads zero-padded to 32 or 64.
+    """
+    op = "prepare_queries"
+    if q.ndim < 2 or q.shape[-1] != 128:
+        raise ValueError(f"{op}: q must be [..., H, 128], got {tuple(q.shape)}")
+    _check(op, "q", q, q.shape, _BF16)
+    _check(op, "weights", weights, q.shape[:-1], _F32)
+    lead, h = q.shape[:-2], q.shape[-2]
+    padded_heads(h)
+    q8, qs = fwht_quant(q.reshape(-1, 128), implementation=implementation, interpret=interpret)
+    q8 = q8.reshape(lead + (h, 128))
+    return ref.pad_heads(q8), ref.fold_weights(weights, qs.reshape(lead + (h,)))
+
+
+def _pallas_read_ok(s, hp) -> bool:
+    try:
+        from pallas_kernels.paged_logits import check_geometry
+        check_geometry(s, hp)
+        return True
+    except ValueError:
+        return False
+
+
+def _read_impl(op, implementation, s, hp):
+    """Like _impl, but None falls back to XLA where the kernels' tiles do not fit
+    (page_rows not in {16, 32, 64}); an explicit "pallas" raises there instead."""
+    impl = _impl(op, implementation)
+    if impl == "pallas" and implementation is None and not _pallas_read_ok(s, hp):
+        return "xla"
+    if impl == "pallas":
+        from pallas_kernels.paged_logits import check_geometry
+        try:
+            check_geometry(s, hp)
+        except ValueError as e:
+            raise ValueError(f"{op}: {e}") from None
+    return impl
+
+
+def _check_queries(op, q8, weights):
+    """Shapes/dtypes of q8 [B, n, H, 128] and weights [B, n, H]; returns them with the
+    heads zero-padded to 32 or 64 (a no-op for 32 and 64; zero heads add exactly 0)."""
+    if q8.ndim != 4 or q8.shape[-1] != 128:
+        raise ValueError(f"{op}: q8 must be [B, n, H, 128], got {tuple(q8.shape)}")
+    b, n, h, _ = q8.shape
+    if not 1 <= h <= ref.MAX_HEADS:
+        raise ValueError(f"{op}: q8 must have 1 .. {ref.MAX_HEADS} heads, got {h}")
+    _check(op, "q8", q8, q8.shape, _FP8)
+    _check(op, "weights", weights, (b, n, h), _F32)
+    hp = padded_heads(h)
+    if hp != h:
+        q8 = ref.pad_heads(q8)
+        weights = jnp.pad(weights, ((0, 0), (0, 0), (0, hp - h)))
+    return q8, weights
+
+
+def _check_page_table(op, page_table_pages, context_pools, layout: CacheLayout, s):
+    """Concrete inputs only: every pool inside a row's context lies on a real page."""
+    if not _concrete(page_table_pages, context_pools):
+        return
+    import numpy as np
+    table = np.asarray(page_table_pages)
+    ctx = np.asarray(context_pools).reshape(table.shape[0], -1)
+    p = s.page_rows
+    need = -(-np.maximum(ctx, 0).max(axis=1, initial=0) // p)                  # [B] columns
+    if (need > table.shape[1]).any():
+        b = int(np.argmax(need > table.shape[1]))
+        raise ValueError(f"{op}: request {b} has {int(ctx[b].max())} context pools but its page table "
+                         f"holds {table.shape[1]} pages of {p} pools")
+    col = np.arange(table.shape[1])[None, :]
+    used = col < need[:, None]
+    bad = used & ((table < 0) | (table >= s.num_blocks * s.pages_per_block))
+    if bad.any():
+        b, c = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"{op}: page table entry [{b}, {c}] = {int(table[b, c])} is not a page of this "
+                         f"layer (0 .. {s.num_blocks * s.pages_per_block - 1}) but lies inside the context")
+
+
+def paged_logits(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, context_pools, *,
+                 implementation=None, interpret=None):
+    """Indexer logits over each request's own pages (spec 2.4, 5.7, 5.8).
+
+    q8: [B, n, H, 128] float8_e4m3fn; weights: [B, n, H] f32 with the q-scale and
+    128**-0.5 * H**-0.5 folded (``prepare_queries``; heads other than 32 / 64 are
+    zero-padded here); page_table_pages: [B, max_pages] i32
+    page ids (pool m of request b is row m % P of page table[b, m // P]);
+    context_pools: [B, n] i32 pools visible to each query row.
+    Returns [B, n, max_pages * page_rows] f32:
+    logit[m] = sum_h w'[h] relu(dot(q8[h], K8[m]) * kscale[m]) for m < context, -inf after.
+    Prefill: B = 1 and n = the request's query rows.
+    """
+    op = "paged_logits"
+    _check_cache(op, cache, layout)
+    q8, weights = _check_queries(op, q8, weights)
+    b, n, hp, _ = q8.shape
+    _check(op, "page_table_pages", page_table_pages, (b, page_table_pages.shape[-1]), _INT)
+    _check(op, "context_pools", context_pools, (b, n), _INT)
+    s = layout.strides(layer)
+    _check_page_table(op, page_table_pages, context_pools, layout, s)
+    if _read_impl(op, implementation, s, hp) == "xla":
+        return ref.paged_logits_strides(cache, s, q8, weights, page_table_pages, context_pools)
+    from pallas_kernels.paged_logits import paged_logits as kernel
+    return kernel(cache, s, q8, weights, page_table_pages, context_pools, interpret=interpret)
+
+
+def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, splits=None):
+    """Exact, deterministic top-k pools per row (spec 2.5, 5.9).
+
+    logits: [rows, n] f32; lengths: [rows] i32 (pools >= length are invalid).
+    Returns [rows, k] i32: descending score, ties by ascending pool id, then -1 for
+    the slots of a row with fewer than k valid pools. ``splits`` (Pallas only)
+    sets how many programs share a row (default: chosen from the shape).
+    """
+    op = "topk_pools"
+    if logits.ndim != 2:
+        raise ValueError(f"{op}: logits must be [rows, n], got {tuple(logits.shape)}")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"{op}: k must be a positive int, got {k!r}")
+    _check(op, "logits", logits, logits.shape, _F32)
+    _check(op, "lengths", lengths, logits.shape[:1], _INT)
+    if _impl(op, implementation) == "xla":
+        return ref.topk_pools(logits, lengths, k)
+    from pallas_kernels.topk import topk_pools as kernel
+    return kernel(logits, lengths, k, splits=splits, interpret=interpret)
+
+
+def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, interpret=None):
+    """Selected pools -> token indices, plus the incomplete-pool tail (spec 5.10).
+
+    pool_ids: [rows, k] i32 (-1 = empty); seq_lens_tokens: [rows] i32 (p + 1 for a
+    query at position p, <= 0 for padding). Returns [rows, k*kpool + kpool - 1] i32.
+    Pool ids outside [0, seq_len // kpool) are rejected (-1), never expanded.
+    """
+    op = "expand_pools"
+    if pool_ids.ndim != 2:
+        raise ValueError(f"{op}: pool_ids must be [rows, k], got {tuple(pool_ids.shape)}")
+    if not isinstance(kpool, int) or isinstance(kpool, bool) or kpool < 1:
+        raise ValueError(f"{op}: kpool must be a positive int, got {kpool!r}")
+    _check(op, "pool_ids", pool_ids, pool_ids.shape, _INT)
+    _check(op, "seq_lens_tokens", seq_lens_tokens, pool_ids.shape[:1], _INT)
+    if _impl(op, implementation) == "xla":
+        return ref.expand_pools(pool_ids, seq_lens_tokens, kpool)
+    from pallas_kernels.expand import expand_pools as kernel
+    return kernel(pool_ids, seq_lens_tokens, kpool, interpret=interpret)
+
+
+def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, positions, *,
+                  topk_tokens: int | None = None, short_context=None, implementation=None,
+                  interpret=None, path: str | None = None):
+    """Token indices each query row attends to: the whole read path of one layer (spec 1.3).
+
+    q8: [B, n, H, 128] float8_e4m3fn and weights: [B, n, H] f32 from
+    ``prepare_queries`` (heads padded to 32 / 64 if not already); page_table_pages: [B, max_pages] i32; positions: [B, n] i32
+    absolute position of each query row (-1 = padding row). Decode: B requests of
+    n = next_n rows; prefill: B = 1, n = query rows of the request.
+
+    Returns [B * n, topk_tokens + kpool - 1] i32 request-relative token indices,
+    rows in (b, j) order: the topk_tokens / kpool best visible pools (pool m is
+    visible to a row at position p iff m < (p + 1) // kpool) expanded to their
+    tokens in order of descending score (ties: lower pool id first), then the
+    row's incomplete-pool tail tokens; -1 marks empty columns (all of a padding
+    row). Short-context path (spec 5.5): when every row's context p + 1 is <=
+    topk_tokens, scoring is skipped and row p holds 0, 1, ..., p, then -1 (the same
+    token set). ``short_context`` forces (True/False) or auto-detects (None; on
+    traced positions the choice is a lax.cond on the device).
+
+    implementation="pallas": ``path="fused"`` (the default) runs the fused
+    logits -> top-k kernel (paged_topk.py), which never writes the logits;
+    ``path="unfused"`` runs paged_logits then the top-k kernel. Both finish with
+    the expansion kernel. The fused path is the default: it reads each cache
+    page once per program and moves no [rows, pools] f32 through memory, and it
+    is the only one whose memory stays bounded for long prefills.
+    """
+    op = "select_tokens"
+    _check_cache(op, cache, layout)
+    q8, weights = _check_queries(op, q8, weights)
+    b, n, hp, _ = q8.shape
+    _check(op, "page_table_pages", page_table_pages, (b, page_table_pages.shape[-1]), _INT)
+    _check(op, "positions", positions, (b, n), _INT)
+    c = layout.config
+    t = c.topk if topk_tokens is None else topk_tokens
+    if not isinstance(t, int) or isinstance(t, bool) or t < c.kpool or t % c.kpool:
+        raise ValueError(f"{op}: topk_tokens must be a positive multiple of kpool ({c.kpool}), got {t!r}")
+    if path is not None and path not in READ_PATHS:
+        raise ValueError(f"{op}: path must be one of {READ_PATHS} or None, got {path!r}")
+    s = layout.strides(layer)
+    r = c.kpool
+    short = ref.use_short_path(positions, t, short_context)
+    if short is not True and _concrete(positions):
+        _check_page_table(op, page_table_pages, ref.seq_lens_from_positions(positions) // r, layout, s)
+    if _read_impl(op, implementation, s, hp) == "xla":
+        return ref.select_tokens_strides(cache, s, q8, weights, page_table_pages, positions, t,
+                                         short_context=short if isinstance(short, bool) else None)
+    from pallas_kernels.expand import expand_pools as expand
+    k, width = t // r, t + r - 1
+
+    def fill():
+        return ref.causal_fill(positions, width).reshape(b * n, width)
+
+    def sparse():
+        seq = ref.seq_lens_from_positions(positions)                                # [B, n]
+        ctx = seq // r
+        if (path or "fused") == "fused":
+            from pallas_kernels.paged_topk import paged_topk
+            ids = paged_topk(cache, s, q8, weights, page_table_pages, ctx, k, interpret=interpret)
+        else:
+            from pallas_kernels.paged_logits import paged_logits as logits_kernel
+            from pallas_kernels.topk import topk_pools as topk_kernel
+
+            def rows(q, w, cx):                                # bounded logits per call
+                bb, cn = cx.shape
+                lg = logits_kernel(cache, s, q, w, page_table_pages, cx, interpret=interpret)
+                return topk_kernel(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
+                                   interpret=interpret).reshape(bb, cn, k)
+
+            chunk = ref.query_row_chunk(n, 1, page_table_pages.shape[1] * s.page_rows, b)
+            ids = ref.map_query_rows(rows, chunk, q8, weights, ctx)
+        return expand(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
+
+    return ref.branch_short(short, fill, sparse)

@@ -172,3 +172,286 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
 def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, tslot, positions):
     return decode_update_strides(cache, layout.strides(layer), key, gate, ape, slot_mapping,
                                  tslot, positions)
+
+
+# =================================================================================
+# READ PATH (spec 1.3, 2.3-2.5, 5.5-5.10): query weights, paged logits, top-k over
+# pools, expansion to tokens, and the whole selection for a batch.
+# =================================================================================
+import numpy as _np
+from jax import lax as _lax
+
+MAX_HEADS = 64
+_INT32_MIN = -(2**31)
+
+
+def padded_heads(n_heads: int) -> int:
+    """Head count the logits kernels run with: 32 for H <= 32, else 64 (spec 2.3)."""
+    if not isinstance(n_heads, int) or not 1 <= n_heads <= MAX_HEADS:
+        raise ValueError(f"indexer heads must be an int in [1, {MAX_HEADS}], got {n_heads!r}")
+    return 32 if n_heads <= 32 else 64
+
+
+def weight_fold_constant(n_heads: int):
+    """D**-1/2 * H**-1/2 in f32, with the REAL head count H (spec 2.3)."""
+    return _np.float32(128 ** -0.5 * n_heads ** -0.5)
+
+
+def fold_weights(weights, q_scale):
+    """w' = w * qs * (D**-1/2 H**-1/2) in f32, zero-padded along heads (spec 2.3).
+
+    weights, q_scale: [..., H] f32 (H = the real head count). Returns [..., Hp] f32
+    with Hp = padded_heads(H); padded heads are exactly 0 and contribute nothing.
+    """
+    h = weights.shape[-1]
+    hp = padded_heads(h)
+    w = (weights.astype(jnp.float32) * q_scale.astype(jnp.float32)) * weight_fold_constant(h)
+    return jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, hp - h)])
+
+
+def pad_heads(q8):
+    """[..., H, 128] float8_e4m3fn -> [..., Hp, 128], zero rows for the padded heads."""
+    h = q8.shape[-2]
+    hp = padded_heads(h)
+    return jnp.pad(q8, [(0, 0)] * (q8.ndim - 2) + [(0, hp - h), (0, 0)])
+
+
+def prepare_queries(q, weights):
+    """q [..., H, 128] bf16, weights [..., H] f32 -> (q8 [..., Hp, 128] e4m3fn, w' [..., Hp] f32).
+
+    FWHT + fp8 per (token, head) row, the query scale folded into the weights,
+    heads zero-padded (spec 2.3, 5.1).
+    """
+    lead, h = q.shape[:-2], q.shape[-2]
+    q8, qs = fwht_quant(q.reshape(-1, 128))
+    q8 = q8.reshape(lead + (h, 128))
+    return pad_heads(q8), fold_weights(weights, qs.reshape(lead + (h,)))
+
+
+def unpack_fp8_words(words):
+    """[..., 32] uint32 -> [..., 128] float8_e4m3fn (little-endian bytes of each word)."""
+    lead = words.shape[:-1]
+    b = _lax.bitcast_convert_type(words, jnp.uint8).reshape(lead + (128,))
+    return _lax.bitcast_convert_type(b, jnp.float8_e4m3fn)
+
+
+def gather_pools(cache, s: CacheStrides, page_table_pages):
+    """Every pool a request's page table can reach, as the logits kernels read it.
+
+    page_table_pages: [B, max_pages] i32 page ids. Returns (k8 [B, M, 128] e4m3fn,
+    scale [B, M] f32, page_ok [B, M] bool) with M = max_pages * page_rows and pool
+    m of request b read from page table[b, m // P], row m % P. A pool on an invalid
+    page id (< 0 or >= num_pages) is never read (zeros, page_ok False).
+    """
+    view = _view(cache, s)
+    m = jnp.arange(page_table_pages.shape[1] * s.page_rows, dtype=jnp.int32)
+    col, row = addr.pool_page_row(s, m)                                       # [M]
+    page = page_table_pages.astype(jnp.int32)[:, col]                          # [B, M]
+    ok = addr.page_valid(s, page)
+    page = jnp.where(ok, page, 0)
+    kw = addr.page_key_words(s, page, row)[..., None] + _iota_words(addr.KEY_WORDS)
+    k8 = unpack_fp8_words(jnp.where(ok[..., None], _gather_words(view, s, kw), 0))
+    sw = _gather_words(view, s, addr.page_scale_words(s, page, row))
+    scale = jnp.where(ok, _lax.bitcast_convert_type(sw, jnp.float32), 0.0)
+    return k8, scale, ok
+
+
+def logits_from_pools(q8, weights, k8, kscale, page_ok, context_pools):
+    """logit[b, j, m] = sum_h w'[b,j,h] relu(dot(q8[b,j,h], k8[b,m]) * kscale[b,m]) (spec 2.4).
+
+    -inf for m >= context_pools[b, j] and for pools on invalid pages.
+    q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32; k8 [B, M, 128]; kscale [B, M].
+    """
+    sc = jnp.einsum("bnhd,bmd->bnhm", q8, k8, preferred_element_type=jnp.float32)
+    sc = jnp.maximum(sc * kscale[:, None, None, :], 0.0)
+    logit = jnp.sum(weights.astype(jnp.float32)[..., None] * sc, axis=2)       # [B, n, M]
+    m = jnp.arange(k8.shape[1], dtype=jnp.int32)
+    live = page_ok[:, None, :] & (m < context_pools.astype(jnp.int32)[..., None])
+    return jnp.where(live, logit, -jnp.inf)
+
+
+def paged_logits_strides(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools):
+    """Decode (and prefill) logits over each request's own pages (spec 5.7, 5.8).
+
+    q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32 (q-scale folded);
+    page_table_pages [B, max_pages] i32; context_pools [B, n] i32.
+    Returns [B, n, max_pages * page_rows] f32; -inf past each row's context.
+    Prefill is the same call with B = 1 and n = the request's query rows.
+    """
+    k8, kscale, ok = gather_pools(cache, s, page_table_pages)
+    return logits_from_pools(q8, weights, k8, kscale, ok, context_pools)
+
+
+def order_key(x):
+    """f32 score -> uint32 key whose unsigned order is the score order (exact).
+
+    -0.0 and +0.0 get the same key; every NaN gets key 1 (below -inf, 0x007FFFFF);
+    key 0 is never produced (it marks "no element").
+    """
+    x = x.astype(jnp.float32)
+    u = _lax.bitcast_convert_type(x, jnp.uint32)
+    u = jnp.where(x == 0.0, jnp.uint32(0), u)
+    key = jnp.where((u >> 31) != 0, ~u, u | jnp.uint32(0x80000000))
+    return jnp.where(jnp.isnan(x), jnp.uint32(1), key)
+
+
+def topk_pools(logits, lengths, k: int):
+    """Exact, deterministic top-k pools per row (spec 2.5, 5.9).
+
+    logits [rows, n] f32; lengths [rows] i32: pools >= length are invalid.
+    Returns [rows, k] i32 pool ids ordered by descending score, ties by ascending
+    pool id, then -1 for the slots a row with fewer than k valid pools leaves.
+    """
+    rows, n = logits.shape
+    key = order_key(logits)
+    valid = jnp.arange(n, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
+    # signed view of the key; invalid -> INT32_MIN, below every real key (>= 1)
+    skey = _lax.bitcast_convert_type(key ^ jnp.uint32(0x80000000), jnp.int32)
+    skey = jnp.where(valid, skey, _INT32_MIN)
+    if n < k:
+        skey = jnp.pad(skey, ((0, 0), (0, k - n)), constant_values=_INT32_MIN)
+    top, idx = _lax.top_k(skey, k)          # documented: equal values -> lower index first
+    return jnp.where(top == _INT32_MIN, -1, idx).astype(jnp.int32)
+
+
+def expand_pools(pool_ids, seq_lens_tokens, kpool: int):
+    """Pool ids -> token indices, then the row's incomplete-pool tail (spec 5.10).
+
+    pool_ids [rows, k] i32; seq_lens_tokens [rows] i32 (= p + 1 for a query at
+    position p; <= 0 for padding). Returns [rows, k*kpool + kpool - 1] i32:
+    column g*kpool + o holds pool_ids[g]*kpool + o, then columns k*kpool + t hold
+    tail token (seq_len // kpool)*kpool + t for t < seq_len % kpool; -1 elsewhere.
+    A pool id < 0 or >= seq_len // kpool (not a complete pool of this row) is
+    rejected: -1 in all its columns (spec B13), never expanded.
+    """
+    r = kpool
+    rows, k = pool_ids.shape
+    seq = jnp.maximum(seq_lens_tokens.astype(jnp.int32), 0)
+    n_pools = seq // r
+    pid = pool_ids.astype(jnp.int32)
+    ok = (pid >= 0) & (pid < n_pools[:, None])
+    o = jnp.arange(r, dtype=jnp.int32)
+    tok = jnp.where(ok[..., None], pid[..., None] * r + o, -1).reshape(rows, k * r)
+    t = jnp.arange(r - 1, dtype=jnp.int32)
+    tail = jnp.where(t < (seq % r)[:, None], (n_pools * r)[:, None] + t, -1)
+    return jnp.concatenate([tok, tail], axis=1)
+
+
+def causal_fill(positions, width: int):
+    """Short-context path (spec 5.5): row at position p -> [0, 1, ..., p, -1, ...].
+
+    positions [...] i32 (< 0 = padding: all -1). Returns [..., width] i32.
+    """
+    c = jnp.arange(width, dtype=jnp.int32)
+    return jnp.where(c <= positions.astype(jnp.int32)[..., None], c, -1)
+
+
+def seq_lens_from_positions(positions):
+    """Token-granular sequence length of each query row: p + 1, 0 for padding (p < 0)."""
+    p = positions.astype(jnp.int32)
+    return jnp.where(p >= 0, p + 1, 0)
+
+
+def _is_concrete(x):
+    return not isinstance(x, jax.core.Tracer)
+
+
+def use_short_path(positions, topk_tokens: int, short_context):
+    """True/False (Python) when decidable now, else a traced bool (spec 5.5)."""
+    if short_context is not None:
+        return bool(short_context)
+    longest = jnp.max(seq_lens_from_positions(positions)) if positions.size else jnp.int32(0)
+    if _is_concrete(longest):
+        return bool(longest <= topk_tokens)
+    return longest <= topk_tokens
+
+
+def branch_short(short, fill, sparse):
+    """Run the short-context fill or the sparse path: a Python choice when `short`
+    is known now, a lax.cond on the device otherwise (same output shape)."""
+    if isinstance(short, bool):
+        return fill() if short else sparse()
+    return _lax.cond(short, fill, sparse)
+
+
+# Prefill scoring materialises [rows, Hp, pools] f32 scores; the XLA path walks
+# the query rows in chunks that keep that under this budget (vLLM: 512 MiB).
+LOGITS_BUDGET_BYTES = 512 * 2**20
+
+
+def query_row_chunk(n_rows: int, hp: int, n_pools: int, batch: int = 1) -> int:
+    per_row = max(1, batch * hp * max(n_pools, 1) * 4)
+    return max(1, min(n_rows, LOGITS_BUDGET_BYTES // per_row))
+
+
+def map_query_rows(fn, chunk: int, *arrays):
+    """fn over [B, chunk, ...] slices of [B, n, ...] arrays (axis 1), concatenated back.
+
+    Pads n up to a multiple of chunk (padding rows get whatever fn makes of the
+    pad values; callers pad positions with -1) and runs the chunks with lax.map.
+    """
+    n = arrays[0].shape[1]
+    if chunk >= n:
+        return fn(*arrays)
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+
+    def split(a, fill):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        a = a.reshape((a.shape[0], n_chunks, chunk) + a.shape[2:])
+        return jnp.moveaxis(a, 1, 0)
+
+    fills = [(-1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays]
+    out = _lax.map(lambda xs: fn(*xs), tuple(split(a, f) for a, f in zip(arrays, fills)))
+    out = jnp.moveaxis(out, 0, 1)                                  # [B, n_chunks, chunk, ...]
+    out = out.reshape((out.shape[0], n_chunks * chunk) + out.shape[3:])
+    return out[:, :n]
+
+
+def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,
+                          topk_tokens: int, short_context=None):
+    """The whole read path of one indexer layer for a batch (spec 1.3, Appendix C).
+
+    q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32 (folded); page_table_pages
+    [B, max_pages] i32; positions [B, n] i32 (absolute token position of each query
+    row; -1 = padding). Returns [B * n, topk_tokens + kpool - 1] i32 request-relative
+    token indices, rows in (b, j) order: the top topk_tokens/kpool pools expanded to
+    tokens (descending score, ties by lower pool id), then the incomplete-pool tail;
+    -1 marks empty columns. When every row's context is <= topk_tokens (short path,
+    spec 5.5) a row holds all causal tokens 0..p instead, then -1.
+    """
+    r = s.kpool
+    b, n = positions.shape
+    width = topk_tokens + r - 1
+    k = topk_tokens // r
+    hp = q8.shape[2]
+
+    def fill():
+        return causal_fill(positions, width).reshape(b * n, width)
+
+    def sparse():
+        n_pools = page_table_pages.shape[1] * s.page_rows
+        k8, kscale, ok = gather_pools(cache, s, page_table_pages)
+
+        def rows(q, w, p):                      # [B, c, ...] -> [B, c, width]
+            seq = seq_lens_from_positions(p)
+            logits = logits_from_pools(q, w, k8, kscale, ok, seq // r)
+            bb, c = p.shape
+            ids = topk_pools(logits.reshape(bb * c, -1), (seq // r).reshape(-1), k)
+            return expand_pools(ids, seq.reshape(-1), r).reshape(bb, c, width)
+
+        chunk = query_row_chunk(n, hp, n_pools, b)
+        return map_query_rows(rows, chunk, q8, weights, positions).reshape(b * n, width)
+
+    return branch_short(use_short_path(positions, topk_tokens, short_context), fill, sparse)
+
+
+def paged_logits(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, context_pools):
+    return paged_logits_strides(cache, layout.strides(layer), q8, weights, page_table_pages, context_pools)
+
+
+def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, positions,
+                  topk_tokens: int | None = None, short_context=None):
+    t = layout.config.topk if topk_tokens is None else topk_tokens
+    return select_tokens_strides(cache, layout.strides(layer), q8, weights, page_table_pages,
+                                 positions, t, short_context)

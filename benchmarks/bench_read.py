@@ -1,0 +1,216 @@
+"""Benchmark of the read path (token selection): Pallas vs XLA, as ratios.
+
+Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/bench_read.py [--quick] [--json out.json]
+  subsets: --skip-decode / --skip-prefill / --skip-topk, --batches 1 64, --contexts 131072,
+  --prefills 32768 (the full run compiles ~50 programs; split it if a call has a time limit)
+
+Cases (one indexer layer, 32 padded heads, GLM-5.3-Flash geometry: kpool 4,
+top-2048 tokens = 512 pools, 1152-token blocks = 32-row pages):
+
+  * decode, next_n = 1, B in {1, 16, 64} x context {32k, 128k, 1M} tokens;
+  * prefill of one request of 32k and of 128k tokens (every prompt row scored);
+  * top-k micro-benchmark: f32 [64, 131072], k = 512, Pallas kernel vs lax.top_k.
+
+For each case it times, in the same run, the whole selection
+``ops.select_tokens`` with the fused Pallas kernel (logits never written), the
+unfused Pallas kernels (paged logits, then top-k) and the XLA reference (XLA
+logits + lax.top_k + expansion). Reported: microseconds per call, speed-up over
+XLA, and for decode the ratio to the bandwidth floor: ~35 bytes per context
+token per layer (132 B per pool read, 4 B logits written and read back; spec
+section 7.3) at the device-to-device copy bandwidth measured in this run.
+Prefill rows report the fp8 dot rate achieved (2 * Hp * 128 FLOP per visible
+(row, pool) pair).
+
+Calls are chained inside one jit (``time_read``); each call's inputs (not the
+cache) pass through an optimization barrier together with the previous call's
+output, so XLA can neither merge the calls nor overlap them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from glm5_jax import metadata as md
+from glm5_jax import ops
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import copy_bandwidth  # noqa: E402
+
+FLOOR_BYTES_PER_TOKEN = 35          # spec 7.3: decode, per context token per layer
+
+
+def time_read(f, args, reps=10, trials=5, fixed=0):
+    """Median seconds per call of f(*args), `reps` dependent calls chained in one jit.
+
+    The first `fixed` args (the cache) go to every call unchanged; the others pass
+    through an optimization barrier with the previous call's output, which makes
+    each call depend on the last (no merging, no overlap) without touching the cache.
+    """
+    @jax.jit
+    def chain(*all_args):
+        c, a = all_args[:fixed], all_args[fixed:]
+        out = f(*c, *a)
+        for _ in range(reps - 1):
+            out, a = lax.optimization_barrier((out, a))
+            out = f(*c, *a)
+        return out
+
+    jax.block_until_ready(chain(*args))                 # compile + warm up
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(chain(*args))
+        times.append((time.perf_counter() - t0) / reps)
+    return float(np.median(times))
+
+
+def random_cache(layout: CacheLayout, seed: int):
+    """Random words on the device; bit 6 of every byte cleared, so no fp8 byte is NaN
+    and every scale word is a finite float."""
+    w = jax.random.bits(jax.random.PRNGKey(seed), (layout.total_words,), jnp.uint32)
+    return w & jnp.uint32(0xBFBFBFBF)
+
+
+def read_case(cfg: IndexerConfig, batch: int, ctx_tokens: int, seed: int = 0, heads: int = 32):
+    """Layout with `batch` requests of `ctx_tokens` each; consecutive blocks per request."""
+    blocks = -(-ctx_tokens // cfg.block_size)
+    layout = CacheLayout(cfg, num_layers=1, num_blocks=batch * blocks + 1)
+    bt = 1 + np.arange(batch * blocks).reshape(batch, blocks)
+    table = jnp.asarray(md.page_table_pages(bt, cfg))
+    key = jax.random.PRNGKey(seed + 1)
+    return layout, random_cache(layout, seed), table, key, heads
+
+
+def queries(key, b, n, heads):
+    k1, k2 = jax.random.split(key)
+    q = jax.random.normal(k1, (b, n, heads, 128), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(k2, (b, n, heads), jnp.float32)
+    return jax.jit(lambda q, w: ops.prepare_queries(q, w, implementation="xla"))(q, w)
+
+
+def selectors(layout, quick):
+    """name -> f(cache, q8, w, table, positions) for the three implementations."""
+    def sel(impl, path):
+        return lambda c, q, w, t, p: ops.select_tokens(c, layout, 0, q, w, t, p, short_context=False,
+                                                        implementation=impl, path=path)
+    return {"pallas fused": sel("pallas", "fused"), "pallas unfused": sel("pallas", "unfused"),
+            "xla": sel("xla", None)}
+
+
+def bench_decode(cfg, batch, ctx_tokens, bw, reps, trials, quick):
+    layout, cache, table, key, heads = read_case(cfg, batch, ctx_tokens)
+    q8, w = queries(key, batch, 1, heads)
+    pos = jnp.full((batch, 1), ctx_tokens - 1, jnp.int32)
+    floor = FLOOR_BYTES_PER_TOKEN * ctx_tokens * batch / bw
+    res = {name: time_read(f, (cache, q8, w, table, pos), reps, trials, fixed=1)
+           for name, f in selectors(layout, quick).items()}
+    if not quick:                                       # where the unfused time goes
+        ctx = jnp.full((batch, 1), ctx_tokens // cfg.kpool, jnp.int32)
+        lg = ops.paged_logits(cache, layout, 0, q8, w, table, ctx, implementation="pallas")
+        res["  (pallas paged_logits only)"] = time_read(
+            lambda c, q, w_, t, x: ops.paged_logits(c, layout, 0, q, w_, t, x, implementation="pallas"),
+            (cache, q8, w, table, ctx), reps, trials, fixed=1)
+        res["  (pallas topk_pools only)"] = time_read(
+            lambda x, l: ops.topk_pools(x, l, cfg.topk_pools, implementation="pallas"),
+            (lg.reshape(batch, -1), ctx.reshape(-1)), reps, trials)
+        del lg
+    case = f"B={batch} ctx={ctx_tokens // 1024}k"
+    return [dict(kind="decode", case=case, impl=name, s=t, vs_xla=res["xla"] / t, x_floor=t / floor,
+                 floor_s=floor) for name, t in res.items()]
+
+
+def bench_prefill(cfg, ctx_tokens, reps, trials, quick):
+    layout, cache, table, key, heads = read_case(cfg, 1, ctx_tokens)
+    q8, w = queries(key, 1, ctx_tokens, heads)
+    pos = jnp.arange(ctx_tokens, dtype=jnp.int32)[None, :]
+    pairs = sum(((np.arange(ctx_tokens) + 1) // cfg.kpool).tolist())   # visible (row, pool) pairs
+    flops = 2.0 * 32 * 128 * pairs
+    res = {name: time_read(f, (cache, q8, w, table, pos), reps, trials, fixed=1)
+           for name, f in selectors(layout, quick).items()}
+    case = f"1 x {ctx_tokens // 1024}k" if ctx_tokens >= 1024 else f"1 x {ctx_tokens}"
+    return [dict(kind="prefill", case=case, impl=name, s=t, vs_xla=res["xla"] / t, tflops=flops / t / 1e12)
+            for name, t in res.items()]
+
+
+def bench_topk(rows, n, k, reps, trials):
+    x = jax.random.normal(jax.random.PRNGKey(7), (rows, n), jnp.float32)
+    lengths = jnp.full((rows,), n, jnp.int32)
+    fns = {
+        "pallas topk_pools": lambda x, l: ops.topk_pools(x, l, k, implementation="pallas"),
+        "xla topk_pools (exact keys)": lambda x, l: ops.topk_pools(x, l, k, implementation="xla"),
+        "lax.top_k": lambda x, l: lax.top_k(x, k)[1],
+    }
+    res = {name: time_read(f, (x, lengths), reps, trials) for name, f in fns.items()}
+    base = res["lax.top_k"]
+    return [dict(kind="topk", case=f"[{rows}, {n}] k={k}", impl=name, s=t, vs_lax_top_k=base / t)
+            for name, t in res.items()]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-topk", action="store_true")
+    ap.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 16 64)")
+    ap.add_argument("--contexts", type=int, nargs="+",
+                    help="decode contexts in tokens (default 32768 131072 1048576)")
+    ap.add_argument("--prefills", type=int, nargs="+", help="prefill lengths in tokens (default 32768 131072)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        cfg = IndexerConfig(block_size=512, topk=64)          # 64-row pages, 16 pools selected
+        decode = [(2, 1024)]
+        prefill = [256]
+        topk_case = (4, 2048, 64)
+        reps, trials = 1, 1
+    else:
+        cfg = IndexerConfig()
+        decode = [(b, c) for c in (a.contexts or (32768, 131072, 1048576)) for b in (a.batches or (1, 16, 64))]
+        prefill = list(a.prefills or (32768, 131072))
+        topk_case = (64, 131072, 512)
+        reps, trials = 10, 5
+    bw = copy_bandwidth(1 << 24 if a.quick else 1 << 30)
+    rows = []
+    if not a.skip_decode:
+        for b, c in decode:
+            rows += bench_decode(cfg, b, c, bw, reps, trials, a.quick)
+    if not a.skip_prefill:
+        for c in prefill:
+            rows += bench_prefill(cfg, c, 1 if not a.quick else reps, min(trials, 3), a.quick)
+    if not a.skip_topk:
+        rows += bench_topk(*topk_case, reps, trials)
+
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+    print(f"copy bandwidth measured now: {bw / 1e12:.3f} TB/s; decode floor = "
+          f"{FLOOR_BYTES_PER_TOKEN} B per context token per layer at that bandwidth")
+    print(f"geometry: kpool {cfg.kpool}, top-{cfg.topk} tokens ({cfg.topk_pools} pools), "
+          f"{cfg.page_rows}-row pages, 32 heads\n")
+    hdr = f"{'kind':<8}{'case':<22}{'implementation':<30}{'us/call':>12}{'vs XLA':>9}{'x floor':>9}{'TFLOP/s':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        vs = r.get("vs_xla", r.get("vs_lax_top_k"))
+        fl = f"{r['x_floor']:>9.2f}" if "x_floor" in r else f"{'':>9}"
+        tf = f"{r['tflops']:>9.2f}" if "tflops" in r else f"{'':>9}"
+        print(f"{r['kind']:<8}{r['case']:<22}{r['impl']:<30}{r['s'] * 1e6:>12.1f}{vs:>8.2f}x{fl}{tf}")
+    print("\nvs XLA: XLA time / this time (topk rows: lax.top_k time / this time); "
+          "x floor: this time / bandwidth-floor time (1.00 = at the floor).")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
+                           jax=jax.__version__, copy_bw_Bps=bw, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Kernel: paged indexer logits, decode and prefill (spec 2.4, 5.7, 5.8).
+
+    logit[b, j, m] = sum_h w'[b, j, h] * relu(dot(q8[b, j, h], K8[m]) * kscale[m])
+
+for request-relative pool m < context_pools[b, j], -inf elsewhere. Pool m of
+request b is row m % P of page page_table[b, m // P] (P = page_rows, page units).
+
+Reads ONLY: the query rows, weights, context lengths and page-table entries of
+its programs, and the 128 key bytes + 4 scale bytes of every pool a row can see
+(pages whose id is out of range are never read; their pools score -inf).
+Writes ONLY its output [B, n, max_pages * P] f32. The cache is not modified.
+
+Grid: (B, ceil(n / BN), ceil(max_pages / PAGES_PER_PROGRAM)). A program holds BN
+query rows of one request (the BN*Hp rows of q8 are the M side of the dot, so the
+next_n rows of a decode request share every page read) and walks
+PAGES_PER_PROGRAM page-table columns. Per page it gathers the [P, 32] key words
+(neighbouring lanes read neighbouring words) and the P scales, transposes the
+u32 word tile, unpacks the fp8 bytes into K-major [128, P] order, computes an
+fp8 x fp8 -> f32 dot [BN*Hp, 128] x [128, P], scales, applies ReLU, sums the
+weighted heads and stores [BN, P] logits. Columns past the block's longest
+context store -inf without touching the cache.
+
+The helpers ``load_query_block``, ``load_page`` and ``page_logits`` are shared
+with the fused logits -> top-k kernel (paged_topk.py), so both score a pool with
+the same operations.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _backend as B
+from . import addressing as addr
+from . import numerics as nm
+from .strides import CacheStrides
+
+PAGES_PER_PROGRAM = 8
+MAX_DOT_ROWS = 128          # BN * Hp: query rows per program times padded heads
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def check_geometry(s: CacheStrides, hp: int):
+    """The kernels need power-of-two tiles: P in {16, 32, 64}, Hp in {32, 64}."""
+    if s.page_rows not in (16, 32, 64):
+        raise ValueError(f"the Pallas read kernels need page_rows in (16, 32, 64), got {s.page_rows}")
+    if hp not in (32, 64):
+        raise ValueError(f"the Pallas read kernels need 32 or 64 (padded) heads, got {hp}")
+
+
+def rows_per_block(n: int, hp: int) -> int:
+    """BN: query rows per program, a power of two with BN * Hp <= MAX_DOT_ROWS."""
+    return max(1, min(next_pow2(n), MAX_DOT_ROWS // hp))
+
+
+class QueryBlock(NamedTuple):
+    q8: jax.Array          # [BN*Hp, 128] e4m3fn (rows past n: a copy of row n-1)
+    w: jax.Array           # [BN*Hp] f32        (zero past n)
+    ctx: jax.Array         # [BN] i32 context pools (0 past n)
+    row_ok: jax.Array      # [BN] bool: row r0 + i < n
+    flat: jax.Array        # [BN] i32 flat row b*n + r (clamped into range)
+
+
+def load_query_block(ctx_ref, q_ref, w_ref, b, r0, *, n: int, hp: int, bn: int) -> QueryBlock:
+    """Rows r0 .. r0+BN-1 of request b.
+
+    ctx_ref: [B*n] i32; q_ref: [B*n*Hp, 128] e4m3fn; w_ref: [B*n, Hp] f32.
+    """
+    r = r0 + _iota((bn,), 0)
+    row_ok = r < n
+    flat = b * n + jnp.minimum(r, n - 1)                                           # [BN]
+    ctx = B.load(ctx_ref.at[flat], mask=row_ok, other=0)
+    ctx = jnp.where(row_ok, jnp.maximum(ctx, 0), 0)
+    d = _iota((bn * hp,), 0)                                                       # dot row
+    i, h = d // hp, d % hp
+    qflat = b * n + jnp.minimum(r0 + i, n - 1)
+    d_ok = (r0 + i) < n                                                            # [BN*Hp]
+    col = _iota((bn * hp, nm.HEAD_DIM), 1)
+    # rows past n re-read row n-1 (in range, unmasked: fp8 has no masked-load fill on
+    # Triton); their weights are 0 and their logits are never stored
+    q8 = B.gather(q_ref, (qflat * hp + h)[:, None] + 0 * col, col)                # [BN*Hp, 128]
+    w = B.gather(w_ref, qflat, h, mask=d_ok, other=0.0)                            # [BN*Hp]
+    return QueryBlock(q8, w, ctx, row_ok, flat)
+
+
+def unpack_fp8_words_t(w):
+    """[32, P] uint32 (word w of row r at [w, r]) -> [128, P] float8_e4m3fn (byte d of row r
+    at [d, r]): the keys transposed, K-major, as the B operand of a dot wants them."""
+    p = w.shape[1]
+    shift = (_iota((addr.KEY_WORDS, 4, p), 1) * 8).astype(jnp.uint32)
+    b = ((w[:, None, :] >> shift) & 0xFF).astype(jnp.uint8).reshape(nm.HEAD_DIM, p)
+    return lax.bitcast_convert_type(b, nm.FP8)
+
+
+def load_page(cache_ref, s: CacheStrides, page, ok):
+    """(k8t [128, P] e4m3fn = the page's keys transposed, kscale [P] f32) of page `page`
+    (a scalar); nothing is read unless ok."""
+    p = s.page_rows
+    row = _iota((p, addr.KEY_WORDS), 0)
+    w = _iota((p, addr.KEY_WORDS), 1)
+    page = jnp.where(ok, page, 0)
+    # [P, 32]: neighbouring lanes read neighbouring words (coalesced 128-byte rows);
+    # the u32 tile is then transposed (not the fp8 one) to get K-major keys
+    rr, cc = addr.split_word(s, addr.page_key_words(s, page, row) + w)            # [P, 32]
+    words = B.gather(cache_ref, rr, cc, mask=ok & (w >= 0), other=0).T            # [32, P]
+    r1 = _iota((p,), 0)
+    rs, cs = addr.split_word(s, addr.page_scale_words(s, page, r1))               # [P]
+    sw = B.gather(cache_ref, rs, cs, mask=ok & (r1 >= 0), other=0)
+    return unpack_fp8_words_t(words), lax.bitcast_convert_type(sw, jnp.float32)
+
+
+def page_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int):
+    """[BN, P] f32 logits of one page for the block's rows (no context masking)."""
+    sc = jnp.dot(qb.q8, k8t, preferred_element_type=jnp.float32)                   # [BN*Hp, P]
+    sc = jnp.maximum(sc * kscale[None, :], 0.0)
+    sc = sc * qb.w[:, None]
+    return jnp.sum(sc.reshape(bn, hp, sc.shape[-1]), axis=1)                      # [BN, P]
+
+
+def score_page(cache_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col, enabled, *,
+               bn: int, hp: int, max_pages: int):
+    """Logits of page-table column `col` of request b for the block's rows.
+
+    Returns (logits [BN, P] f32 with -inf outside context or on an invalid page,
+    pools [P] i32 request-relative pool ids, live [BN, P] bool = pool < context).
+    Reads the cache only if `enabled` (scalar) and the page id is valid.
+    """
+    pools = addr.table_pool(s, col, _iota((s.page_rows,), 0))                      # [P]
+    in_table = col < max_pages
+    page = B.load(table_ref.at[b, jnp.minimum(col, max_pages - 1)])
+    page_ok = enabled & in_table & addr.page_valid(s, page)
+    k8t, kscale = load_page(cache_ref, s, page, page_ok)
+    lg = page_logits(qb, k8t, kscale, bn=bn, hp=hp)
+    live = in_table & (pools[None, :] < qb.ctx[:, None])
+    return jnp.where(live & page_ok, lg, -jnp.inf), pools, live
+
+
+def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, out_ref, *,
+            s: CacheStrides, n: int, hp: int, bn: int, max_pages: int):
+    # ctx_ref: [B*n] i32; table_ref: [B, max_pages] i32; q_ref: [B*n*Hp, 128] e4m3fn;
+    # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32; out_ref: [B*n, max_pages*P] f32
+    b, rb, g = B.program_id(0), B.program_id(1), B.program_id(2)
+    p = s.page_rows
+    qb = load_query_block(ctx_ref, q_ref, w_ref, b, rb * bn, n=n, hp=hp, bn=bn)
+    need = (jnp.max(qb.ctx) + (p - 1)) // p                                        # columns in use
+    rows2 = qb.flat[:, None] + 0 * _iota((bn, p), 1)                               # [BN, P]
+    ok_rows = qb.row_ok[:, None] & (_iota((bn, p), 1) >= 0)
+
+    def page_step(j, carry):
+        col = g * PAGES_PER_PROGRAM + j
+        pools = addr.table_pool(s, col, _iota((bn, p), 1))                         # [BN, P]
+        store_ok = ok_rows & (col < max_pages)
+
+        @B.when(col < need)
+        def _score():
+            lg, _, _ = score_page(cache_ref, table_ref, s, qb, b, col, col < need,
+                                  bn=bn, hp=hp, max_pages=max_pages)
+            B.scatter(out_ref, rows2, pools, lg, store_ok)
+
+        @B.when(col >= need)
+        def _empty():
+            B.scatter(out_ref, rows2, pools, jnp.full((bn, p), -jnp.inf, jnp.float32), store_ok)
+
+        return carry
+
+    lax.fori_loop(0, PAGES_PER_PROGRAM, page_step, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "interpret"))
+def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, *, interpret=None):
+    """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32;
+    page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
+    Returns [B, n, max_pages * page_rows] f32."""
+    b, n, hp, _ = q8.shape
+    max_pages = page_table_pages.shape[1]
+    check_geometry(s, hp)
+    m = max_pages * s.page_rows
+    if b == 0 or n == 0 or max_pages == 0:
+        return jnp.full((b, n, m), -jnp.inf, jnp.float32)
+    bn = rows_per_block(n, hp)
+    view = cache.reshape(addr.view_shape(s))
+    out = B.pallas_call(
+        functools.partial(_kernel, s=s, n=n, hp=hp, bn=bn, max_pages=max_pages),
+        grid=(b, -(-n // bn), -(-max_pages // PAGES_PER_PROGRAM)),
+        out_shape=jax.ShapeDtypeStruct((b * n, m), jnp.float32),
+        input_output_aliases={},
+        interpret=interpret, name="kpool_paged_logits", num_warps=4,
+    )(context_pools.astype(jnp.int32).reshape(b * n), page_table_pages.astype(jnp.int32),
+      q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp), view)
+    return out.reshape(b, n, m)

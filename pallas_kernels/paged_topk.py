@@ -1,0 +1,133 @@
+"""Kernel: fused paged logits -> exact top-k pools (spec 2.4, 2.5, 5.8, 5.9).
+
+Same result as ``topk.topk_pools`` applied to ``paged_logits.paged_logits``
+(best k pools per query row by descending logit, ties by ascending pool id, -1
+padded; pools >= the row's context are never selected), but the [rows, pools]
+logits never reach memory: each page's logits live in registers only, from the
+dot to the selection filter.
+
+Reads ONLY: the query rows, weights, context lengths, page-table entries, and
+the key + scale bytes of the pages inside each row's context (as paged_logits).
+Writes ONLY its outputs: the [B, n, k] i32 pool ids and per-program candidate
+buffers (keys/ids [buffer rows, CAP], counts) private to each program. The
+cache is not modified.
+
+Grid: (B, ceil(n / BN), splits). A program holds BN query rows of one request
+(their BN*Hp query rows are the M side of each fp8 dot, so the next_n rows of a
+decode request share every page read) and one contiguous range of page-table
+columns. For each page (ids ascending) it computes the [BN, P] logits exactly as
+paged_logits does (``paged_logits.score_page``) and feeds them to the streaming
+selection of topk.py: a candidate is buffered only if it beats the row's current
+k-th best; the buffer is compacted (exact radix threshold search) when it could
+overflow. With one split the program sorts its k survivors and writes the ids;
+with several (long contexts over few rows, to occupy the GPU) each split keeps
+its exact top-k survivors and a merge pass (topk.merge_candidates) streams them
+in split order through the same selection. A split spans at least
+MIN_SPLIT_FACTOR * KP pools, so the survivors (k per split) are at most 1/8 of
+the pools and the merge input stays small.
+
+Prefill is the same call with B = 1 and n = the request's query rows; calls with
+more than MAX_ROWS_PER_CALL rows walk the rows in chunks (lax.map) so the
+candidate buffers stay bounded.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _backend as B
+from . import addressing as addr
+from . import numerics as nm
+from . import topk as tk
+from .paged_logits import check_geometry, load_query_block, rows_per_block, score_page
+from .strides import CacheStrides
+
+MAX_ROWS_PER_CALL = 8192
+
+
+def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, res_ref, kbuf, ibuf, *,
+            s: CacheStrides, g: tk.Geometry, n: int, hp: int, max_pages: int, row_blocks: int,
+            splits: int, split_pages: int, final: bool, interpret: bool):
+    # ctx_ref: [B*n] i32; table_ref: [B, max_pages] i32; q_ref: [B*n*Hp, 128] e4m3fn;
+    # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32;
+    # res_ref: [B*n, k] i32 (final) or [n_buf] i32 counts; kbuf/ibuf: [n_buf, CAP] u32/i32
+    b, rb, sp = B.program_id(0), B.program_id(1), B.program_id(2)
+    bn, p = g.bn, s.page_rows
+    rows = tk.Rows(b, rb, n=n, bn=bn, row_blocks=row_blocks)
+    qb = load_query_block(ctx_ref, q_ref, w_ref, b, rb * bn, n=n, hp=hp, bn=bn)
+    need = jnp.minimum((jnp.max(qb.ctx) + (p - 1)) // p, max_pages)               # columns in use
+    lo = sp * split_pages
+    n_chunks = jnp.maximum(jnp.minimum(lo + split_pages, need) - lo, 0)
+    brow = rows.padded * splits + sp
+
+    def produce(c, active):
+        lg, pools, live = score_page(cache_ref, table_ref, s, qb, b, lo + c, active,
+                                     bn=bn, hp=hp, max_pages=max_pages)           # [BN, P]
+        ids = pools[None, :] + 0 * live.astype(jnp.int32)
+        return tk.order_key(lg), ids, live & active & rows.ok[:, None]
+
+    st = tk.stream(g, kbuf, ibuf, brow, n_chunks, produce, interpret)
+    tk.finish(g, st, kbuf, ibuf, brow, rows, (res_ref,), final=final, interpret=interpret)
+
+
+def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret):
+    b, n, hp, _ = q8.shape
+    max_pages = page_table_pages.shape[1]
+    bn = rows_per_block(n, hp)
+    row_blocks = -(-n // bn)
+    g = tk.Geometry(k=k, bn=bn, ch=s.page_rows)
+    sp = tk.choose_splits(b * row_blocks, max_pages * s.page_rows, k, splits)
+    split_pages = -(-max_pages // min(sp, max_pages))
+    sp = -(-max_pages // split_pages)
+    final = sp == 1
+    n_buf = b * row_blocks * bn * sp
+    res = (jax.ShapeDtypeStruct((b * n, k), jnp.int32) if final
+           else jax.ShapeDtypeStruct((n_buf,), jnp.int32))
+    interpret = B.resolve_interpret(interpret)
+    view = cache.reshape(addr.view_shape(s))
+    out, kbuf, ibuf = B.pallas_call(
+        functools.partial(_kernel, s=s, g=g, n=n, hp=hp, max_pages=max_pages, row_blocks=row_blocks,
+                          splits=sp, split_pages=split_pages, final=final, interpret=interpret),
+        grid=(b, row_blocks, sp),
+        out_shape=(res,) + tk.buffer_shapes(g, n_buf),
+        input_output_aliases={}, interpret=interpret, name="kpool_paged_topk", num_warps=4,
+    )(context_pools.astype(jnp.int32).reshape(b * n), page_table_pages.astype(jnp.int32),
+      q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp), view)
+    if not final:
+        out = tk.merge_candidates(out, kbuf, ibuf, k, b=b, n=n, bn=bn, in_splits=sp,
+                                  interpret=interpret)
+    return out.reshape(b, n, k)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "k", "splits", "interpret"))
+def paged_topk(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, k: int, *,
+               splits=None, interpret=None):
+    """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32
+    (q-scale folded); page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
+    Returns [B, n, k] i32 pool ids (score desc, id asc; -1 padded).
+    `splits` overrides the number of programs sharing one row's pages."""
+    b, n, hp, _ = q8.shape
+    check_geometry(s, hp)
+    if b == 0 or n == 0:
+        return jnp.zeros((b, n, k), jnp.int32)
+    if page_table_pages.shape[1] == 0:
+        return jnp.full((b, n, k), -1, jnp.int32)
+    if n <= MAX_ROWS_PER_CALL:
+        return _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret)
+    # long prefill: walk the query rows in chunks (padding rows have context 0)
+    chunk = MAX_ROWS_PER_CALL
+    nc = -(-n // chunk)
+    pad = nc * chunk - n
+
+    def split(a):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape((b, nc, chunk) + a.shape[2:]), 1, 0)
+
+    def one(xs):
+        q, w, c = xs
+        return _call(cache, s, q, w, page_table_pages, c, k, splits, interpret)
+
+    out = jax.lax.map(one, (split(q8), split(weights), split(context_pools.astype(jnp.int32))))
+    return jnp.moveaxis(out, 0, 1).reshape(b, nc * chunk, k)[:, :n]

@@ -1,0 +1,334 @@
+"""Kernel: exact, deterministic top-k over rows of scores (spec 2.5, 5.9).
+
+Result per row: the k best candidates ordered by descending score, ties by
+ascending id, then -1 for the slots a row with fewer than k valid candidates
+leaves. Scores are compared through ``order_key`` (an exact uint32 image of the
+f32 order: -0 == +0, NaN lowest), so there is no float fuzz in the selection.
+
+Reads ONLY its inputs; writes ONLY its outputs: the [rows, k] i32 ids, plus
+per-program candidate buffers ([buffer rows, CAP] u32 keys and i32 ids, and a
+count per buffer row) that are outputs of the call, private to one program each.
+
+Selection algorithm (a streaming filter, the same core is used by the fused
+paged logits -> top-k kernel, paged_topk.py). A program owns BN rows and one
+contiguous range of candidate ids, and feeds it chunk by chunk, ids ascending:
+
+  * append: a candidate enters the row's buffer if the row holds fewer than k
+    survivors, or if its key beats the row's threshold (the k-th best key at
+    the last compaction; a later candidate that only ties it has a higher id,
+    so it can never displace a survivor). Positions come from a cumsum, so the
+    buffer stays in id order.
+  * compact (when a buffer could overflow, CAP - CH): find the exact k-th best
+    key by a radix search over the 32 key bits (RADIX_BITS per step, counts by
+    comparison), keep every key above it plus the lowest-id ties, and squeeze
+    the survivors to the front in id order. The new threshold is that key.
+  * finish: compact to <= k survivors, then either sort them by rank
+    (rank = #better + #equal-with-lower-id, computed in [BN, TI, KP] tiles) and
+    scatter the ids to their output slots, -1 after; or, when the row's ids are
+    split over several programs, leave the survivors and their count for a
+    merge pass (this kernel with ``source="candidates"``), which streams the
+    splits' survivors in split order (ids still ascending) through the same core.
+
+Grid: scores: (1, ceil(rows / BN), splits); candidates (merge): (B, ceil(n / BN)).
+Buffer row of padded row p (of B * ceil(n / BN) * BN) in split s: p * splits + s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _backend as B
+
+RADIX_BITS = 2             # key bits decided per step of the threshold search
+RANK_TILE_ELEMS = 16384    # BN * TI * KP comparisons per rank tile
+SCORE_CHUNK = 1024         # scores per chunk of the standalone kernel
+TARGET_PROGRAMS = 264      # ~2 programs per SM of an H200 (132 SMs)
+MIN_SPLIT_FACTOR = 8       # a split holds at least 8 * KP candidates
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _iota(shape, dim, dtype=jnp.int32):
+    return lax.broadcasted_iota(dtype, shape, dim)
+
+
+def order_key(x):
+    """f32 -> uint32 key, unsigned order == score order; -0 == +0, NaN -> 1, 0 unused."""
+    x = x.astype(jnp.float32)
+    u = lax.bitcast_convert_type(x, jnp.uint32)
+    u = jnp.where(x == 0.0, jnp.uint32(0), u)
+    key = jnp.where((u >> 31) != 0, ~u, u | jnp.uint32(0x80000000))
+    return jnp.where(jnp.isnan(x), jnp.uint32(1), key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static tile sizes of one selection: k survivors, BN rows, CH candidates per chunk."""
+
+    k: int
+    bn: int
+    ch: int
+
+    def __post_init__(self):
+        if self.k < 1 or self.bn < 1 or self.ch < 1:
+            raise ValueError(f"bad selection geometry {self}")
+        for name in ("bn", "ch"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"Geometry.{name} must be a power of two, got {v}")
+
+    @property
+    def kp(self) -> int:          # k rounded up to a power of two (emit tiles)
+        return next_pow2(self.k)
+
+    @property
+    def cap(self) -> int:         # buffer columns per row: room for k survivors + one chunk
+        return next_pow2(self.kp + self.ch)
+
+    @property
+    def ti(self) -> int:          # rows of the rank tile
+        return max(1, min(self.kp, RANK_TILE_ELEMS // (self.bn * self.kp)))
+
+
+class State:
+    """Per-row selection state: (count [BN] i32, threshold key [BN] u32, full [BN] i32)."""
+
+    @staticmethod
+    def init(bn):
+        return (jnp.zeros((bn,), jnp.int32), jnp.zeros((bn,), jnp.uint32), jnp.zeros((bn,), jnp.int32))
+
+
+def kth_key(key, live, k: int):
+    """[BN] u32: the k-th largest key among `live` entries of key [BN, C]; 0 if fewer than k.
+
+    Radix search from the top bit: at each step keep the largest digit d such
+    that at least k live keys are >= prefix|d (counted by comparison).
+    """
+    bn = key.shape[0]
+    d = _iota((1, 1 << RADIX_BITS, 1), 1).astype(jnp.uint32)                        # [1, D, 1]
+
+    def step(j, t):
+        shift = (32 - RADIX_BITS - RADIX_BITS * j).astype(jnp.uint32)
+        cand = t[:, None, None] | (d << shift)                                       # [BN, D, 1]
+        ge = live[:, None, :] & (key[:, None, :] >= cand)                            # [BN, D, C]
+        c = jnp.sum(ge.astype(jnp.int32), axis=2)                                    # [BN, D]
+        nd = jnp.sum((c >= k).astype(jnp.int32), axis=1)                             # [BN]
+        return t | (jnp.maximum(nd - 1, 0).astype(jnp.uint32) << shift)
+
+    return lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.zeros((bn,), jnp.uint32))
+
+
+def append(g: Geometry, kbuf, ibuf, brow, st, key, ids, valid):
+    """Append the chunk's passing candidates (key [BN, CH] u32, ids [BN, CH] i32)."""
+    cnt, thr, full = st
+    cand = valid & ((key > thr[:, None]) | (full[:, None] == 0))                    # [BN, CH]
+    ci = cand.astype(jnp.int32)
+
+    @B.when(jnp.sum(ci) > 0)
+    def _write():
+        pos = cnt[:, None] + jnp.cumsum(ci, axis=1) - ci                             # exclusive
+        rows = brow[:, None] + 0 * pos
+        B.scatter(kbuf, rows, pos, key, cand)
+        B.scatter(ibuf, rows, pos, ids, cand)
+
+    return cnt + jnp.sum(ci, axis=1), thr, full
+
+
+def compact(g: Geometry, kbuf, ibuf, brow, st, interpret: bool):
+    """Keep each row's k best (lowest id among equal keys), in id order, at the front."""
+    cnt = st[0]
+    B.barrier(interpret)                                   # appends are visible
+    cols = _iota((g.bn, g.cap), 1)
+    rows = brow[:, None] + 0 * cols
+    live = cols < cnt[:, None]
+    key = B.gather(kbuf, rows, cols, mask=live, other=0)                             # [BN, CAP]
+    ids = B.gather(ibuf, rows, cols, mask=live, other=0)
+    thr = kth_key(key, live, g.k)                                                    # [BN]
+    gt = live & (key > thr[:, None])
+    eq = live & (key == thr[:, None])
+    n_gt = jnp.sum(gt.astype(jnp.int32), axis=1)
+    ei = eq.astype(jnp.int32)
+    keep = gt | (eq & ((jnp.cumsum(ei, axis=1) - ei) < (g.k - n_gt)[:, None]))
+    ki = keep.astype(jnp.int32)
+    pos = jnp.cumsum(ki, axis=1) - ki
+    B.barrier(interpret)                                   # every read above is done
+    B.scatter(kbuf, rows, pos, key, keep)
+    B.scatter(ibuf, rows, pos, ids, keep)
+    new = jnp.sum(ki, axis=1)
+    return new, thr, (new >= g.k).astype(jnp.int32)
+
+
+def stream(g: Geometry, kbuf, ibuf, brow, n_chunks, produce, interpret: bool):
+    """Feed chunks 0 .. n_chunks-1 (traced count) through the filter; return the state
+    after a final compaction (<= k survivors per row, id order).
+
+    The loop runs one extra, empty step whose compaction limit is k: that is the
+    final compaction (one traced copy of the compaction code, not two).
+    ``produce(c, active) -> (key [BN, CH] u32, ids [BN, CH] i32, valid [BN, CH])``
+    must read nothing and return no valid entry when ``active`` is False.
+    """
+    def body(c, st):
+        last = c == n_chunks
+        key, ids, valid = produce(jnp.minimum(c, jnp.maximum(n_chunks - 1, 0)), ~last)
+        st = append(g, kbuf, ibuf, brow, st, key, ids, valid)
+        limit = (g.cap - g.ch) - last.astype(jnp.int32) * (g.cap - g.ch - g.k)   # k on the last step
+        return lax.cond(jnp.max(st[0]) > limit,
+                        lambda s_: compact(g, kbuf, ibuf, brow, s_, interpret),
+                        lambda s_: s_, st)
+
+    return lax.fori_loop(0, n_chunks + 1, body, State.init(g.bn))
+
+
+def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, interpret: bool):
+    """out_ref[orow, :k] = the survivors' ids by (key desc, id asc), then -1."""
+    B.barrier(interpret)
+    kp, ti = g.kp, g.ti
+    cj = _iota((g.bn, kp), 1)
+    inj = cj < cnt[:, None]
+    kj = B.gather(kbuf, brow[:, None] + 0 * cj, cj, mask=inj, other=0)              # [BN, KP]
+
+    def tile(t, carry):
+        ci = t * ti + _iota((g.bn, ti), 1)                                           # [BN, TI]
+        ini = ci < cnt[:, None]
+        rows_i = brow[:, None] + 0 * ci
+        ki = B.gather(kbuf, rows_i, ci, mask=ini, other=0)
+        ii = B.gather(ibuf, rows_i, ci, mask=ini, other=0)
+        kj3, ki3 = kj[:, None, :], ki[:, :, None]
+        better = inj[:, None, :] & ((kj3 > ki3) | ((kj3 == ki3) & (cj[:, None, :] < ci[:, :, None])))
+        rank = jnp.sum(better.astype(jnp.int32), axis=2)                             # [BN, TI]
+        B.scatter(out_ref, orow[:, None] + 0 * rank, rank, ii, ini & row_ok[:, None])
+        return carry
+
+    lax.fori_loop(0, kp // ti, tile, 0)
+    empty = (cj >= cnt[:, None]) & (cj < g.k) & row_ok[:, None]
+    B.scatter(out_ref, orow[:, None] + 0 * cj, cj, jnp.full((g.bn, kp), -1, jnp.int32), empty)
+
+
+class Rows:
+    """Rows r0 .. r0+BN-1 of request b in a (B, n) row space, padded to row blocks."""
+
+    def __init__(self, b, rb, *, n: int, bn: int, row_blocks: int):
+        i = _iota((bn,), 0)
+        r = rb * bn + i
+        self.ok = r < n
+        self.flat = b * n + jnp.minimum(r, n - 1)          # output row (clamped)
+        self.padded = (b * row_blocks + rb) * bn + i       # row in the padded space
+
+
+def finish(g: Geometry, st, kbuf, ibuf, brow, rows: Rows, out_refs, *, final: bool, interpret: bool):
+    """final: sort + write ids; else store the survivor count of each buffer row."""
+    if final:
+        (out_ref,) = out_refs
+        emit_sorted(g, kbuf, ibuf, brow, st[0], out_ref, rows.flat, rows.ok, interpret)
+    else:
+        (cnt_ref,) = out_refs
+        cnt_ref[brow] = st[0]                              # buffer rows are private: no mask
+
+
+def buffer_shapes(g: Geometry, n_buf_rows: int):
+    return (jax.ShapeDtypeStruct((n_buf_rows, g.cap), jnp.uint32),
+            jax.ShapeDtypeStruct((n_buf_rows, g.cap), jnp.int32))
+
+
+def _kernel(*refs, g: Geometry, source: str, n: int, row_blocks: int, splits: int,
+            n_cols: int, split_cols: int, in_splits: int, final: bool, interpret: bool):
+    # source "scores":     len_ref [B*n] i32, x_ref [B*n, n_cols] f32
+    # source "candidates": cin_ref [B*n_pad*in_splits] i32, kin_ref/iin_ref [.., CAP_in]
+    # outputs: (out [B*n, k] i32 if final else cnt [n_buf] i32), kbuf [n_buf, CAP] u32,
+    #          ibuf [n_buf, CAP] i32
+    n_in = 2 if source == "scores" else 3
+    ins, (res_ref, kbuf, ibuf) = refs[:n_in], refs[n_in:]
+    b, rb, sp = B.program_id(0), B.program_id(1), B.program_id(2)
+    rows = Rows(b, rb, n=n, bn=g.bn, row_blocks=row_blocks)
+    brow = rows.padded * splits + sp
+    if source == "scores":
+        len_ref, x_ref = ins
+        length = jnp.where(rows.ok, B.load(len_ref.at[rows.flat], mask=rows.ok, other=0), 0)
+        lo = sp * split_cols
+        hi = jnp.minimum(jnp.minimum(lo + split_cols, n_cols), jnp.max(length))
+        n_chunks = jnp.maximum(hi - lo + g.ch - 1, 0) // g.ch
+
+        def produce(c, active):
+            cols = lo + c * g.ch + _iota((g.bn, g.ch), 1)                             # [BN, CH]
+            valid = (cols < hi) & (cols < length[:, None]) & active
+            x = B.gather(x_ref, rows.flat[:, None] + 0 * cols, jnp.minimum(cols, n_cols - 1),
+                         mask=valid, other=0.0)
+            return order_key(x), cols, valid
+    else:
+        cin_ref, kin_ref, iin_ref = ins
+        n_chunks = in_splits
+
+        def produce(c, active):
+            src = rows.padded * in_splits + c                                        # [BN]
+            cnt_in = B.load(cin_ref.at[src])
+            cols = _iota((g.bn, g.ch), 1)
+            valid = (cols < cnt_in[:, None]) & rows.ok[:, None] & active
+            r2 = src[:, None] + 0 * cols
+            return (B.gather(kin_ref, r2, cols, mask=valid, other=0),
+                    B.gather(iin_ref, r2, cols, mask=valid, other=0), valid)
+
+    st = stream(g, kbuf, ibuf, brow, n_chunks, produce, interpret)
+    finish(g, st, kbuf, ibuf, brow, rows, (res_ref,), final=final, interpret=interpret)
+
+
+def _call(g: Geometry, inputs, *, source, b, n, splits, final, interpret, name, **static):
+    row_blocks = -(-n // g.bn)
+    n_buf = b * row_blocks * g.bn * splits
+    res = (jax.ShapeDtypeStruct((b * n, g.k), jnp.int32) if final
+           else jax.ShapeDtypeStruct((n_buf,), jnp.int32))
+    interpret = B.resolve_interpret(interpret)
+    kern = functools.partial(_kernel, g=g, source=source, n=n, row_blocks=row_blocks, splits=splits,
+                             final=final, interpret=interpret, **static)
+    return B.pallas_call(
+        kern, grid=(b, row_blocks, splits),
+        out_shape=(res,) + buffer_shapes(g, n_buf),
+        input_output_aliases={}, interpret=interpret, name=name, num_warps=4,
+    )(*inputs)
+
+
+def merge_candidates(cnt, kbuf, ibuf, k: int, *, b: int, n: int, bn: int, in_splits: int,
+                     interpret=None):
+    """Merge per-split survivors (count [n_buf], keys/ids [n_buf, CAP]) -> [b*n, k] i32."""
+    g = Geometry(k=k, bn=bn, ch=next_pow2(k))
+    out, _, _ = _call(g, (cnt, kbuf, ibuf), source="candidates", b=b, n=n, splits=1, final=True,
+                      interpret=interpret, name="kpool_topk_merge",
+                      n_cols=0, split_cols=0, in_splits=in_splits)
+    return out
+
+
+def choose_splits(programs: int, n_cands: int, k: int, splits=None) -> int:
+    """How many programs share one row's candidates: enough programs for the GPU,
+    but each split at least MIN_SPLIT_FACTOR * KP candidates (survivors <= 1/8)."""
+    if splits is not None:
+        return max(1, int(splits))
+    by_size = max(1, n_cands // (MIN_SPLIT_FACTOR * next_pow2(k)))
+    return max(1, min(-(-TARGET_PROGRAMS // max(programs, 1)), by_size))
+
+
+@functools.partial(jax.jit, static_argnames=("k", "splits", "interpret"))
+def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None):
+    """scores: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid).
+    Returns [rows, k] i32: best ids by (score desc, id asc), -1 padded."""
+    rows, n_cols = scores.shape
+    if rows == 0:
+        return jnp.zeros((0, k), jnp.int32)
+    if n_cols == 0:
+        return jnp.full((rows, k), -1, jnp.int32)
+    g = Geometry(k=k, bn=1, ch=min(SCORE_CHUNK, next_pow2(n_cols)))
+    sp = choose_splits(rows, n_cols, k, splits)
+    split_cols = -(-(-(-n_cols // sp)) // g.ch) * g.ch               # per split, whole chunks
+    sp = -(-n_cols // split_cols)
+    final = sp == 1
+    res, kbuf, ibuf = _call(g, (lengths.astype(jnp.int32), scores.astype(jnp.float32)),
+                            source="scores", b=1, n=rows, splits=sp, final=final,
+                            interpret=interpret, name="kpool_topk", n_cols=n_cols,
+                            split_cols=split_cols, in_splits=0)
+    if final:
+        return res
+    return merge_candidates(res, kbuf, ibuf, k, b=1, n=rows, bn=1, in_splits=sp, interpret=interpret)

@@ -1,0 +1,523 @@
+"""Read path: query quantisation, paged logits, exact top-k over pools, expansion,
+and whole token selection. Pallas kernels vs the XLA reference vs numpy oracles
+and the paging-free golden model (spec Appendix C).
+
+On CPU the kernels run in interpret mode; on a GPU backend the same tests run
+them compiled. Logits are f32 sums whose order may differ between Pallas and
+XLA, so selections computed from logits are compared as sets, allowing a
+difference only between candidates whose reference scores tie with the k-th
+best within a tolerance (``assert_selection``); inputs with integer-valued
+scores (exact in any order) check tie-breaking exactly.
+"""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glm5_jax import metadata as md
+from glm5_jax import ops
+from glm5_jax import reference as ref
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+from glm5_jax.testing import Scenario
+from pallas_kernels import addressing as addr
+
+SENTINEL = 0xA5
+FP8 = jnp.float8_e4m3fn
+# Relative tolerance on logits (relative to the row's largest |score|). On CPU the
+# kernels' f32 sums differ from XLA's by an ulp at most. On Hopper, fp8 tensor-core
+# dots accumulate with ~14-bit precision inside one K=128 dot (DeepGEMM promotes to
+# f32 every 128 elements for this reason), so kernel logits can be ~1e-4 off.
+LOGIT_RTOL = 5e-4 if jax.default_backend() == "gpu" else 2e-6
+
+
+# ---------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------
+def fp8_bytes(rng, shape):
+    """Random float8_e4m3fn bit patterns, NaN codes (0x7F, 0xFF) excluded."""
+    b = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    return np.where((b & 0x7F) == 0x7F, b ^ 0x01, b).astype(np.uint8)
+
+
+def write_pool_records(layout, cache, layer, slots, key_bytes, scales):
+    """Host-side write of pool records (128 fp8 bytes + f32 scale) at pool slots."""
+    s = layout.strides(layer)
+    words = np.array(cache).view(np.uint32).copy()
+    slots = np.asarray(slots, np.int64)
+    kw = addr.global_word(s, addr.pool_key_words(s, slots))[:, None] + np.arange(addr.KEY_WORDS)
+    words[kw] = np.ascontiguousarray(key_bytes, np.uint8).view(np.uint32).reshape(slots.size, 32)
+    words[addr.global_word(s, addr.pool_scale_words(s, slots))] = np.asarray(scales, np.float32).view(np.uint32)
+    return jnp.asarray(words)
+
+
+def random_cache(rng, layout, layer=0):
+    """Sentinel cache with a random record in every pool slot of `layer`."""
+    s = layout.strides(layer)
+    n = s.num_pool_slots
+    scales = (np.exp2(rng.integers(-12, -4, size=n)) * rng.uniform(1, 2, n)).astype(np.float32)
+    return write_pool_records(layout, layout.allocate(SENTINEL), layer, np.arange(n),
+                              fp8_bytes(rng, (n, 128)), scales)
+
+
+_prepare_xla = jax.jit(lambda q, w: ops.prepare_queries(q, w, implementation="xla"))
+# the reference, compiled once per shape (eager op-by-op dispatch compiles every op)
+ref_logits = jax.jit(ref.paged_logits_strides, static_argnums=1)
+ref_topk = jax.jit(ref.topk_pools, static_argnums=2)
+
+
+def random_queries(rng, b, n, h):
+    q = jnp.asarray(rng.standard_normal((b, n, h, 128)) * rng.uniform(0.1, 10, (b, n, h, 1)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((b, n, h)), jnp.float32)
+    return _prepare_xla(q, w)
+
+
+def random_tables(rng, layout, layer, b, max_pages):
+    s = layout.strides(layer)
+    n_pages = s.num_blocks * s.pages_per_block
+    return np.stack([rng.permutation(n_pages)[:max_pages] for _ in range(b)]).astype(np.int32)
+
+
+def np_topk(x, lengths, k):
+    """Oracle: best k ids by (score desc, id asc); -0 == +0; NaN below everything; -1 pad."""
+    x = np.asarray(x, np.float64)
+    out = np.full((x.shape[0], k), -1, np.int32)
+    for r in range(x.shape[0]):
+        n = int(np.clip(lengths[r], 0, x.shape[1]))
+        v = x[r, :n]
+        nan = np.isnan(v)
+        order = np.lexsort((np.arange(n), -np.where(nan, 0.0, v), nan))[:k]
+        out[r, :order.size] = order
+    return out
+
+
+def np_expand(ids, seq, r):
+    rows, k = ids.shape
+    out = np.full((rows, k * r + r - 1), -1, np.int32)
+    for i in range(rows):
+        L = max(int(seq[i]), 0)
+        for g in range(k):
+            if 0 <= ids[i, g] < L // r:
+                out[i, g * r:(g + 1) * r] = ids[i, g] * r + np.arange(r)
+        for t in range(L % r):
+            out[i, k * r + t] = (L // r) * r + t
+    return out
+
+
+def assert_selection(got, want, scores, lengths, k, rtol=LOGIT_RTOL):
+    """got/want [rows, k] pool ids. Valid ids first, -1 only at the end; same set as
+    `want` except for candidates tied with the k-th best within rtol; ordered by
+    non-increasing score (ties within rtol)."""
+    got, want, scores = np.asarray(got), np.asarray(want), np.asarray(scores, np.float64)
+    for r in range(got.shape[0]):
+        nv = int(min(k, max(int(lengths[r]), 0), scores.shape[1]))
+        g, w = got[r], want[r]
+        assert (g[:nv] >= 0).all() and (g[nv:] == -1).all(), f"row {r}: -1 not only at the end: {g}"
+        assert np.unique(g[:nv]).size == nv, f"row {r}: duplicate ids"
+        assert (g[:nv] < lengths[r]).all(), f"row {r}: id past the row's context"
+        if nv == 0:
+            continue
+        sc = scores[r]
+        tol = rtol * max(1.0, np.abs(sc[np.isfinite(sc)]).max(initial=0.0))
+        diff = set(g[:nv].tolist()) ^ set(w[:nv].tolist())
+        bound = sc[w[nv - 1]]
+        assert all(abs(sc[x] - bound) <= tol for x in diff), \
+            f"row {r}: selections differ beyond near-ties: {sorted(diff)}"
+        sg = sc[g[:nv]]
+        assert (np.diff(sg) <= tol).all(), f"row {r}: not in descending score order"
+
+
+def decode_positions(rng, lengths, next_n, counts=None):
+    """[B, next_n] positions: request b's last counts[b] tokens (-1 padding after)."""
+    b = len(lengths)
+    pos = np.full((b, next_n), -1, np.int32)
+    for i, L in enumerate(lengths):
+        c = next_n if counts is None else counts[i]
+        pos[i, :c] = np.arange(L - c, L)
+    return pos
+
+
+# ---------------------------------------------------------------------------------
+# query side
+# ---------------------------------------------------------------------------------
+def test_fwht_quant_pallas_bits(rng):
+    q = jnp.asarray(rng.standard_normal((37, 128)) * np.exp(rng.uniform(-8, 8, (37, 1))), jnp.bfloat16)
+    a8, a = ops.fwht_quant(q, implementation="pallas")
+    b8, b = ops.fwht_quant(q, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(a8).view(np.uint8), np.asarray(b8).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+@pytest.mark.parametrize("h", [16, 32, 64])
+def test_fold_weights_and_pad_heads(rng, h):
+    hp = ops.padded_heads(h)
+    assert hp == (32 if h <= 32 else 64)
+    q = jnp.asarray(rng.standard_normal((3, h, 128)), jnp.bfloat16)
+    w = rng.standard_normal((3, h)).astype(np.float32)
+    q8, wf = _prepare_xla(q, jnp.asarray(w))
+    assert q8.shape == (3, hp, 128) and wf.shape == (3, hp)
+    raw8, qs = jax.jit(ref.fwht_quant)(q.reshape(-1, 128))
+    c = np.float32(128 ** -0.5 * h ** -0.5)                      # the REAL head count
+    want = (w * np.asarray(qs).reshape(3, h)) * c
+    np.testing.assert_array_equal(np.asarray(wf)[:, :h], want)
+    assert (np.asarray(wf)[:, h:] == 0).all()
+    b8 = np.asarray(q8).view(np.uint8)
+    np.testing.assert_array_equal(b8[:, :h], np.asarray(raw8).view(np.uint8).reshape(3, h, 128))
+    assert (b8[:, h:] == 0).all()
+    np.testing.assert_array_equal(np.asarray(ops.fold_weights(jnp.asarray(w), qs.reshape(3, h))), np.asarray(wf))
+    np.testing.assert_array_equal(np.asarray(ops.pad_heads(raw8.reshape(3, h, 128))).view(np.uint8), b8)
+
+
+def test_prepare_queries_pallas_matches_xla(rng):
+    q = jnp.asarray(rng.standard_normal((2, 3, 16, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 3, 16)), jnp.float32)
+    a8, aw = ops.prepare_queries(q, w, implementation="pallas")
+    b8, bw = ops.prepare_queries(q, w, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(a8).view(np.uint8), np.asarray(b8).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(aw), np.asarray(bw))
+
+
+# ---------------------------------------------------------------------------------
+# paged logits
+# ---------------------------------------------------------------------------------
+LOGIT_CASES = [
+    pytest.param(dict(block_size=1152, next_n=1, heads=32), id="P32-n1-H32"),
+    pytest.param(dict(block_size=512, next_n=4, heads=64), id="P64-n4-H64"),
+]
+
+
+@pytest.mark.parametrize("case", LOGIT_CASES)
+def test_paged_logits_pallas_matches_reference(rng, case):
+    layout = CacheLayout(IndexerConfig(block_size=case["block_size"]), num_layers=2, num_blocks=6)
+    cache = random_cache(rng, layout, layer=1)
+    s = layout.strides(1)
+    b, n, max_pages = 3, case["next_n"], 5
+    q8, wf = random_queries(rng, b, n, case["heads"])
+    table = random_tables(rng, layout, 1, b, max_pages)
+    ctx = rng.integers(0, max_pages * s.page_rows + 1, size=(b, n)).astype(np.int32)
+    ctx[0, 0] = 1
+    ctx[1, -1] = 0                                               # a padding row
+    table[2, -1] = 10**6                                         # never read: past request 2's context
+    ctx[2] = np.minimum(ctx[2], (max_pages - 1) * s.page_rows)
+    args = (cache, layout, 1, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
+    a = np.asarray(ops.paged_logits(*args, implementation="pallas"))
+    want = np.asarray(ops.paged_logits(*args, implementation="xla"))
+    assert a.shape == (b, n, max_pages * s.page_rows)
+    np.testing.assert_array_equal(np.isneginf(a), np.isneginf(want))
+    m = np.arange(a.shape[-1])
+    np.testing.assert_array_equal(np.isneginf(want), m[None, None, :] >= ctx[..., None])
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(a[fin], want[fin], rtol=LOGIT_RTOL, atol=LOGIT_RTOL * np.abs(want[fin]).max())
+
+
+def test_paged_logits_rejects_bad_page_tables(rng):
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=4)
+    q8, wf = random_queries(rng, 1, 1, 32)
+    cache = layout.allocate(0)
+    with pytest.raises(ValueError, match="not a page"):
+        ops.paged_logits(cache, layout, 0, q8, wf, jnp.asarray([[1, 99]], jnp.int32),
+                         jnp.asarray([[40]], jnp.int32), implementation="xla")
+    with pytest.raises(ValueError, match="page table holds"):
+        ops.paged_logits(cache, layout, 0, q8, wf, jnp.asarray([[1, 2]], jnp.int32),
+                         jnp.asarray([[65]], jnp.int32), implementation="xla")
+
+
+# ---------------------------------------------------------------------------------
+# top-k over pools
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("splits", [None, 3], ids=["one-pass", "split+merge"])
+def test_topk_pools_exact_ties_and_short_rows(rng, splits):
+    rows, n, k = 6, 300, 16
+    x = rng.integers(-4, 5, size=(rows, n)).astype(np.float32)       # heavy ties
+    x[0, :40] = np.where(rng.random(40) < 0.5, -0.0, 0.0)           # -0 == +0
+    x[1, 5] = np.nan                                                 # NaN ranks last
+    x[1, 7] = -np.inf
+    x[2] = rng.standard_normal(n).astype(np.float32)                 # distinct scores
+    lengths = np.array([n, 9, n - 1, 0, 16, n + 50], np.int32)       # < k, == k, > n
+    got = np.asarray(ops.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k,
+                                    implementation="pallas", splits=splits))
+    want = np.asarray(ops.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k, implementation="xla"))
+    oracle = np_topk(x, lengths, k)
+    np.testing.assert_array_equal(want, oracle)
+    np.testing.assert_array_equal(got, oracle)
+    assert (got[3] == -1).all() and (got[1, 9:] == -1).all() and got[1, 8] == 5   # NaN last of 9
+
+
+def test_topk_pools_more_k_than_pools(rng):
+    x = rng.standard_normal((3, 7)).astype(np.float32)
+    lengths = np.array([7, 3, 100], np.int32)
+    got = np.asarray(ops.topk_pools(jnp.asarray(x), jnp.asarray(lengths), 12, implementation="pallas"))
+    np.testing.assert_array_equal(got, np_topk(x, lengths, 12))
+
+
+# ---------------------------------------------------------------------------------
+# expansion
+# ---------------------------------------------------------------------------------
+def test_expand_pools_rejects_out_of_range_and_appends_tail(rng):
+    r, k, rows = 4, 9, 11
+    seq = np.array([0, -1, 1, 3, 4, 5, 37, 38, 39, 40, 200], np.int32)
+    ids = rng.integers(-1, 14, size=(rows, k)).astype(np.int32)
+    ids[6, :3] = [9, 10, 2**30]                                     # 37 tokens: pools 0..8 only
+    got = np.asarray(ops.expand_pools(jnp.asarray(ids), jnp.asarray(seq), r, implementation="pallas"))
+    want = np.asarray(ops.expand_pools(jnp.asarray(ids), jnp.asarray(seq), r, implementation="xla"))
+    oracle = np_expand(ids, seq, r)
+    np.testing.assert_array_equal(want, oracle)
+    np.testing.assert_array_equal(got, oracle)
+    assert (got[6, :3 * r] == -1).all(), "pool ids >= seq_len // kpool must be rejected"
+    assert (got[6, k * r:] == [36, -1, -1]).all() and (got[9, k * r:] == -1).all()
+    assert got.max() < seq.max()
+
+
+# ---------------------------------------------------------------------------------
+# fused paged logits -> top-k
+# ---------------------------------------------------------------------------------
+FUSED_CASES = [
+    pytest.param(dict(block_size=1152, heads=32, next_n=1, k=12, splits=None), id="P32-H32-n1"),
+    pytest.param(dict(block_size=512, heads=64, next_n=4, k=20, splits=3), id="P64-H64-n4-split"),
+    pytest.param(dict(block_size=1152, heads=16, next_n=4, k=8, splits=2), id="P32-H16-n4-split"),
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_paged_topk_matches_reference(rng, case):
+    from pallas_kernels.paged_topk import paged_topk
+    layout = CacheLayout(IndexerConfig(block_size=case["block_size"]), num_layers=1, num_blocks=6)
+    cache = random_cache(rng, layout)
+    s = layout.strides(0)
+    b, n, k, max_pages = 3, case["next_n"], case["k"], 5
+    q8, wf = random_queries(rng, b, n, case["heads"])
+    table = jnp.asarray(random_tables(rng, layout, 0, b, max_pages))
+    # non-uniform decode: uneven lengths, a short request, padding rows
+    lengths = [max_pages * s.page_rows * 4, int(rng.integers(3 * k, 9 * k)) * 4, 7 * 4]
+    counts = [n, max(1, n // 2), n]
+    pos = decode_positions(rng, lengths, n, counts)
+    ctx = jnp.asarray(ref.seq_lens_from_positions(pos) // s.kpool)
+    got = np.asarray(paged_topk(cache, s, q8, wf, table, ctx, k, splits=case["splits"])).reshape(b * n, k)
+    logits = ref_logits(cache, s, q8, wf, table, ctx).reshape(b * n, -1)
+    want = np.asarray(ref_topk(logits, ctx.reshape(-1), k))
+    assert_selection(got, want, logits, np.asarray(ctx).reshape(-1), k)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_topk_exact_ties(rng, splits):
+    """Integer-valued q8, K8, scales and weights: every logit is an exact integer in any
+    summation order, with many equal pools; the fused kernel must break ties by the
+    lower pool id exactly as the reference does."""
+    from pallas_kernels.paged_topk import paged_topk
+    layout = CacheLayout(IndexerConfig(block_size=1152), num_layers=1, num_blocks=4)
+    s = layout.strides(0)
+    one, two, m_one = 0x38, 0x40, 0xB8                               # e4m3: 1.0, 2.0, -1.0
+    classes = np.array(rng.choice([0, one, two, m_one], size=(5, 128)), np.uint8)
+    slots = np.arange(s.num_pool_slots)
+    cls = rng.integers(0, 5, size=slots.size)
+    cache = write_pool_records(layout, layout.allocate(SENTINEL), 0, slots, classes[cls],
+                               np.where(cls % 2 == 0, 1.0, 0.5).astype(np.float32))
+    b, n, k = 2, 2, 24
+    q8 = jnp.asarray(rng.choice([0, one, m_one], size=(b, n, 32, 128)).astype(np.uint8).view(ml_dtypes.float8_e4m3fn))
+    wf = jnp.asarray(rng.choice([0.0, 0.5, 1.0, 2.0], size=(b, n, 32)).astype(np.float32))
+    table = jnp.asarray(random_tables(rng, layout, 0, b, 4))
+    ctx = jnp.asarray(np.array([[128, 100], [57, 128]], np.int32))
+    got = np.asarray(paged_topk(cache, s, q8, wf, table, ctx, k, splits=splits)).reshape(b * n, k)
+    logits = ref_logits(cache, s, q8, wf, table, ctx).reshape(b * n, -1)
+    lg = np.asarray(logits)
+    fin = lg[np.isfinite(lg)] * 4                                    # multiples of 1/4, exact
+    assert (fin == np.round(fin)).all()
+    want = np_topk(np.where(np.isfinite(lg), lg, -np.inf), np.asarray(ctx).reshape(-1), k)
+    np.testing.assert_array_equal(np.asarray(ref_topk(logits, ctx.reshape(-1), k)), want)
+    np.testing.assert_array_equal(got, want)
+    # the k-th best really is inside a tie group (so tie-breaking was exercised)
+    row = lg[0]
+    assert (row[: int(ctx[0, 0])] == row[want[0, -1]]).sum() > 1
+
+
+def test_long_prefill_runs_in_row_chunks(rng, monkeypatch):
+    """Long prefills walk the query rows in chunks (fused: MAX_ROWS_PER_CALL rows per
+    call; XLA/unfused: a logits budget); chunking must not change the selection."""
+    import pallas_kernels.paged_topk as pt
+    layout = CacheLayout(IndexerConfig(block_size=1152, topk=32), num_layers=1, num_blocks=3)
+    cache = random_cache(rng, layout)
+    s = layout.strides(0)
+    n, k = 37, 8
+    q8, wf = random_queries(rng, 1, n, 32)
+    table = jnp.asarray(random_tables(rng, layout, 0, 1, 3))
+    pos = jnp.asarray((np.arange(n) * 5 + 40)[None, :].astype(np.int32))
+    ctx = ref.seq_lens_from_positions(pos) // s.kpool
+
+    def select_xla():                                                  # traced now: reads the budget
+        return np.asarray(jax.jit(lambda c, q, w, t, p: ops.select_tokens(
+            c, layout, 0, q, w, t, p, short_context=False, implementation="xla"))(cache, q8, wf, table, pos))
+
+    whole = select_xla()
+    monkeypatch.setattr(pt, "MAX_ROWS_PER_CALL", 16)                   # 3 calls of 16 rows
+    got = np.asarray(pt.paged_topk(cache, s, q8, wf, table, ctx, k)).reshape(n, k)
+    logits = ref_logits(cache, s, q8, wf, table, ctx).reshape(n, -1)
+    assert_selection(got, np.asarray(ref_topk(logits, ctx.reshape(-1), k)), logits,
+                     np.asarray(ctx).reshape(-1), k)
+    monkeypatch.setattr(ref, "LOGITS_BUDGET_BYTES", 5 * 32 * 96 * 4)   # 5 query rows per chunk
+    assert ref.query_row_chunk(n, 32, 96) == 5
+    np.testing.assert_array_equal(select_xla(), whole)
+
+
+def test_paged_topk_never_materialises_logits(rng):
+    """The fused path's compiled program holds no f32 [rows, pools] array."""
+    layout = CacheLayout(IndexerConfig(block_size=512), num_layers=1, num_blocks=70)
+    q8 = jnp.zeros((2, 4, 32, 128), FP8)
+    wf = jnp.zeros((2, 4, 32), jnp.float32)
+    table = jnp.zeros((2, 128), jnp.int32)
+    pos = jnp.full((2, 4), 64 * 128 * 4 - 1, jnp.int32)
+    f = jax.jit(lambda c, q, w, t, p: ops.select_tokens(c, layout, 0, q, w, t, p, topk_tokens=256,
+                                                         short_context=False, implementation="pallas"))
+    hlo = f.trace(layout.allocate(0), q8, wf, table, pos).lower(lowering_platforms=("cuda",)).as_text()
+    pools = 128 * 64
+    assert f"x{pools}xf32>" not in hlo and f"{pools}xf32>" not in hlo, "fused path materialises logits"
+
+
+# ---------------------------------------------------------------------------------
+# whole selection vs the paging-free golden model (Appendix C)
+# ---------------------------------------------------------------------------------
+@jax.jit
+def _compress_pools(k, g, ape):                    # [m, R, 128] bf16 x2, [R, 128] -> (q8, scale)
+    from pallas_kernels import numerics as nm
+    r = k.shape[1]
+    return nm.compress_pool([k[:, j] for j in range(r)], [g[:, j] for j in range(r)],
+                            [ape[j] for j in range(r)])
+
+
+def golden_pools(sc):
+    """Appendix C pools of every request straight from its token stream (no pages, no ring);
+    the same as Scenario.golden_pools, in one compiled call."""
+    r = sc.layout.config.kpool
+    m = [q.length_tokens // r for q in sc.requests]
+    k = np.concatenate([q.key[:mi * r].reshape(mi, r, 128) for q, mi in zip(sc.requests, m)])
+    g = np.concatenate([q.gate[:mi * r].reshape(mi, r, 128) for q, mi in zip(sc.requests, m)])
+    q8, scale = _compress_pools(jnp.asarray(k), jnp.asarray(g), jnp.asarray(sc.ape))
+    q8, scale = np.asarray(q8).view(np.uint8), np.asarray(scale)
+    ends = np.cumsum([0] + m)
+    return [(q8[a:b], scale[a:b]) for a, b in zip(ends[:-1], ends[1:])]
+
+
+def golden_scores(sc, q8, wf, rows_req, rows_pos, kpool):
+    """f64 scores [rows, max_pools] from the golden pools of each row's request."""
+    q = np.asarray(q8.astype(jnp.float32), np.float64).reshape(len(rows_req), -1, 128)   # [rows, Hp, 128]
+    w = np.asarray(wf, np.float64).reshape(len(rows_req), -1)
+    pools = golden_pools(sc)
+    width = max(p[0].shape[0] for p in pools)
+    out = np.full((len(rows_req), width), -np.inf)
+    for r, (i, p) in enumerate(zip(rows_req, rows_pos)):
+        if p < 0:
+            continue
+        kb, ks = pools[i]
+        k8 = kb.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        m = (p + 1) // kpool
+        s_ = np.maximum(q[r] @ k8[:m].T * ks[:m].astype(np.float64), 0.0)      # [Hp, m]
+        out[r, :m] = w[r] @ s_
+    return out
+
+
+def split_tokens(tokens, k, r):
+    """[rows, k*r + r - 1] tokens -> (pool ids [rows, k], tail [rows, r-1]); checks the layout."""
+    ids = np.where(tokens[:, :k * r:r] >= 0, tokens[:, :k * r:r] // r, -1)
+    expect = np.where(ids[..., None] >= 0, ids[..., None] * r + np.arange(r), -1).reshape(len(ids), -1)
+    np.testing.assert_array_equal(tokens[:, :k * r], expect)
+    return ids, tokens[:, k * r:]
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_select_tokens_vs_golden(rng, mode):
+    cfg = IndexerConfig(block_size=512, topk=32)                    # P = 64, 8 pools, 35 columns
+    layout = CacheLayout(cfg, num_layers=1, num_blocks=10)
+    r, k = cfg.kpool, cfg.topk_pools
+    lengths = [int(rng.integers(200, 400)), int(rng.integers(40, 120)), 30]
+    sc = Scenario.random(rng, layout, lengths)
+    pre = sc.prefill(lengths)
+    cache = jax.jit(ref.compress_prefill_strides, static_argnums=1)(
+        layout.allocate(SENTINEL), layout.strides(0), jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]),
+        jnp.asarray(sc.ape), jnp.asarray(pre["slot_mapping"]))
+    np.testing.assert_array_equal(golden_pools(sc)[1][0], sc.golden_pools(1)[0])   # the fast golden
+    width = max(len(q.index_blocks) for q in sc.requests)
+    bt = np.zeros((len(lengths), width), np.int64)
+    for i, q in enumerate(sc.requests):
+        bt[i, :len(q.index_blocks)] = q.index_blocks
+    table = md.page_table_pages(bt, cfg)
+    if mode == "decode":                                            # next_n = 4, non-uniform
+        pos = decode_positions(rng, lengths, 4, counts=[4, 1, 3])
+    else:                                                           # one request's prompt rows
+        req = 0
+        pos = np.arange(lengths[req], dtype=np.int32)[None, :]
+        table = table[req:req + 1]
+    b, n = pos.shape
+    heads = 32 if mode == "decode" else 16
+    q8, wf = random_queries(rng, b, n, heads)
+    rows_req = np.repeat(np.arange(b), n) if mode == "decode" else np.zeros(n, int)
+    gold = golden_scores(sc, q8, wf, rows_req, pos.reshape(-1), r)
+    seq = np.where(pos >= 0, pos + 1, 0).reshape(-1)
+    want_ids = np_topk(gold, seq // r, k)
+    want_tail = np_expand(np.full((b * n, 1), -1, np.int32), seq, r)[:, r:]
+    args = (cache, q8, wf, jnp.asarray(table), jnp.asarray(pos))
+    results = {}
+    paths = [("xla", None), ("pallas", "fused")] + ([("pallas", "unfused")] if mode == "prefill" else [])
+    for impl, path in paths:
+        f = jax.jit(lambda c, q, w, t, p, impl=impl, path=path: ops.select_tokens(
+            c, layout, 0, q, w, t, p, short_context=False, implementation=impl, path=path))
+        results[path or impl] = f(*args)
+    for name, toks in results.items():
+        toks = np.asarray(toks)
+        assert toks.shape == (b * n, cfg.index_width), name
+        ids, tail = split_tokens(toks, k, r)
+        np.testing.assert_array_equal(tail, want_tail, err_msg=name)
+        assert_selection(ids, want_ids, gold, seq // r, k, rtol=max(LOGIT_RTOL, 1e-5))
+        assert (toks[seq == 0] == -1).all(), f"{name}: a padding row selected tokens"
+
+
+def test_short_context_path(rng):
+    cfg = IndexerConfig(block_size=512, topk=32)
+    layout = CacheLayout(cfg, num_layers=1, num_blocks=4)
+    cache = random_cache(rng, layout)
+    pos = np.array([[0, 1, 2, 3], [27, 28, 29, 30], [31, -1, -1, -1]], np.int32)   # every context <= 32
+    q8, wf = random_queries(rng, 3, 4, 32)
+    table = jnp.asarray(random_tables(rng, layout, 0, 3, 1))
+    args = (cache, layout, 0, q8, wf, table, jnp.asarray(pos))
+    want = np.where(np.arange(cfg.index_width)[None, :] <= pos.reshape(-1, 1), np.arange(cfg.index_width), -1)
+    for impl in ("xla", "pallas"):
+        np.testing.assert_array_equal(np.asarray(ops.select_tokens(*args, implementation=impl)), want)
+    # traced positions: the choice happens on the device (lax.cond)
+    f = jax.jit(lambda p: ops.select_tokens(cache, layout, 0, q8, wf, table, p, implementation="pallas"))
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(pos))), want)
+    # spec invariant 6: the sparse path selects the same token sets
+    sparse = np.asarray(ops.select_tokens(*args, implementation="pallas", short_context=False))
+    for row_s, row_w in zip(sparse, want):
+        assert sorted(row_s[row_s >= 0].tolist()) == sorted(row_w[row_w >= 0].tolist())
+
+
+# ---------------------------------------------------------------------------------
+# every read kernel lowers to Triton IR (checked on any machine: Pallas lowers for
+# "cuda" without a GPU; the Triton -> PTX compile itself happens only on the GPU)
+# ---------------------------------------------------------------------------------
+def test_read_kernels_lower_for_triton():
+    from pallas_kernels.expand import expand_pools
+    from pallas_kernels.paged_logits import paged_logits
+    from pallas_kernels.paged_topk import paged_topk
+    from pallas_kernels.query_quant import fwht_quant
+    from pallas_kernels.topk import topk_pools
+
+    def lower(f, *a):
+        return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+
+    layout = CacheLayout(IndexerConfig(block_size=512), num_layers=1, num_blocks=8)
+    s = layout.strides(0)
+    c = layout.allocate(0)
+    q8, w = jnp.zeros((2, 4, 64, 128), FP8), jnp.zeros((2, 4, 64), jnp.float32)
+    t, ctx = jnp.zeros((2, 16), jnp.int32), jnp.zeros((2, 4), jnp.int32)
+    texts = [
+        lower(lambda q: fwht_quant(q, interpret=False), jnp.zeros((70, 128), jnp.bfloat16)),
+        lower(lambda *a: paged_logits(c, s, *a, interpret=False), q8, w, t, ctx),
+        lower(lambda *a: paged_topk(c, s, *a, 512, splits=1, interpret=False), q8, w, t, ctx),
+        lower(lambda *a: paged_topk(c, s, *a, 64, splits=4, interpret=False), q8, w, t, ctx),
+        lower(lambda x, l: topk_pools(x, l, 512, interpret=False), jnp.zeros((64, 131072)),
+              jnp.zeros((64,), jnp.int32)),
+        lower(lambda i, q: expand_pools(i, q, 4, interpret=False), jnp.zeros((9, 512), jnp.int32),
+              jnp.zeros((9,), jnp.int32)),
+    ]
+    for txt in texts:
+        assert "__gpu$xla.gpu.triton" in txt
