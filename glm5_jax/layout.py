@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from pallas_kernels import addressing as addr
-from pallas_kernels.strides import CacheStrides, VIEW_COLS, WORD_BYTES
+from pallas_kernels.strides import AttnStrides, CacheStrides, VIEW_COLS, WORD_BYTES
 
 from .config import IndexerConfig
 
@@ -108,6 +108,18 @@ class CacheLayout:
             index_block_bytes=c.index_block_bytes, total_bytes=self.total_bytes,
             tail_block_stride_bytes=tail_stride)
 
+    def attn_strides(self, layer: int, kv_row_bytes: int) -> AttnStrides:
+        """Stride metadata of one layer's attention region, for K/V rows of kv_row_bytes.
+
+        Each attention block holds block_size K rows then block_size V rows; a
+        ValueError says so if attn_block_bytes is too small for that.
+        """
+        if self.attn_block_bytes == 0:
+            raise ValueError("this layout has no attention region (attn_block_bytes = 0)")
+        return AttnStrides(block_size=self.config.block_size, kv_row_bytes=int(kv_row_bytes),
+                           num_blocks=self.num_blocks, attn_base_bytes=self.attn_base_bytes(int(layer)),
+                           attn_block_bytes=self.attn_block_bytes, total_bytes=self.total_bytes)
+
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, fill_byte: int = 0, device=None):
         """The flat cache: uint32[total_words], every byte = fill_byte (a sentinel for tests)."""
@@ -142,6 +154,18 @@ class CacheLayout:
         for half in (0, 1):
             w = addr.global_word(s, addr.tail_row_words(s, blk, slot, half))[..., None] + np.arange(addr.TAIL_ROW_WORDS)
             out.append(words[w].view(np.uint16).reshape(s.num_blocks, s.ring, 128).view(ml_dtypes.bfloat16))
+        return tuple(out)
+
+    def attn_kv(self, cache, layer: int, kv_row_bytes: int):
+        """(K, V) raw rows uint8 [num_blocks, block_size, kv_row_bytes] of one layer's attention region."""
+        a = self.attn_strides(layer, kv_row_bytes)
+        words = np.asarray(cache).view(np.uint32)
+        slot = np.arange(a.num_attn_slots, dtype=np.int64)
+        n = kv_row_bytes // WORD_BYTES
+        out = []
+        for half in (0, 1):
+            w = addr.attn_global_word(a, addr.attn_row_words(a, slot, half))[:, None] + np.arange(n)
+            out.append(words[w].view(np.uint8).reshape(a.num_blocks, a.block_size, kv_row_bytes))
         return tuple(out)
 
     def block_byte_range(self, layer: int, block: int) -> tuple[int, int]:

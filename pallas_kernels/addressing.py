@@ -91,3 +91,73 @@ def split_word(s: CacheStrides, local_words):
 def global_word(s: CacheStrides, local_words):
     """Global word address (Python int / numpy int64 only: host-side inspection)."""
     return s.index_base_bytes // WORD_BYTES + local_words
+
+
+# ---- pages and page tables (read path) ------------------------------------------
+# A page table row lists, per request, the page ids of its pools in page units:
+# request-relative pool m lives in page table[col] at row r, (col, r) = pool_page_row(s, m).
+def num_pages(s: CacheStrides) -> int:
+    """Valid page ids of one layer: 0 .. num_pages - 1."""
+    return s.num_blocks * s.pages_per_block
+
+
+def page_valid(s: CacheStrides, page):
+    """A page id may be read only if 0 <= page < num_blocks * pages_per_block."""
+    return (page >= 0) & (page < num_pages(s))
+
+
+def page_key_words(s: CacheStrides, page, row):
+    """Layer-local word offset of the first of the 32 key words of row `row` of page `page`."""
+    return page * (s.page_bytes // WORD_BYTES) + row * KEY_WORDS
+
+
+def page_scale_words(s: CacheStrides, page, row):
+    """Layer-local word offset of the fp32 scale of row `row` of page `page`."""
+    return page * (s.page_bytes // WORD_BYTES) + s.page_rows * KEY_WORDS + row
+
+
+def table_pool(s: CacheStrides, col, row):
+    """Request-relative pool index held by row `row` of page-table column `col`
+    (the inverse of ``pool_page_row``)."""
+    return col * s.page_rows + row
+
+
+# ---- attention region (bf16 K/V rows of the tiny decoder, glm5_jax.model) -------
+# Block b of a layer's attention region: [block_size K rows][block_size V rows][pad].
+# A token-granular attention slot is block * block_size + pos % block_size; the
+# request's block table (manager block ids) maps a request-relative token to it.
+def attn_slot_valid(a, slot):
+    """An attention slot reads/writes only if 0 <= slot < num_blocks * block_size."""
+    return (slot >= 0) & (slot < a.num_attn_slots)
+
+
+def attn_token_block_col(a, tok):
+    """(block-table column, row in block) of request-relative token tok (tok >= 0)."""
+    return tok // a.block_size, tok % a.block_size
+
+
+def attn_slot(a, block, row):
+    """Token-granular attention slot of row `row` of manager block `block`."""
+    return block * a.block_size + row
+
+
+def attn_row_words(a, slot, half):
+    """Layer-local word offset of the K (half 0) or V (half 1) row of attention slot `slot`."""
+    block, row = slot // a.block_size, slot % a.block_size
+    return (block * (a.attn_block_bytes // WORD_BYTES)
+            + half * (a.block_size * a.kv_row_bytes // WORD_BYTES)
+            + row * (a.kv_row_bytes // WORD_BYTES))
+
+
+def attn_split_word(a, local_words):
+    """(row, col) in the [rows, VIEW_COLS] view of an attention-region word offset
+    (layer-local, as returned by ``attn_row_words``); same scheme as ``split_word``."""
+    base = a.attn_base_bytes // WORD_BYTES
+    base_hi, base_lo = base >> VIEW_COL_BITS, base & (VIEW_COLS - 1)
+    w = local_words + base_lo
+    return base_hi + (w >> VIEW_COL_BITS), w & (VIEW_COLS - 1)
+
+
+def attn_global_word(a, local_words):
+    """Global word address of an attention-region offset (host-side inspection only)."""
+    return a.attn_base_bytes // WORD_BYTES + local_words

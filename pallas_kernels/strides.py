@@ -105,3 +105,54 @@ class CacheStrides:
     @property
     def total_words(self) -> int:
         return self.total_bytes // WORD_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnStrides:
+    """Where one layer's attention K/V rows live: the attention region of the flat buffer.
+
+    Block b of the layer holds ``block_size`` K rows of ``kv_row_bytes`` bytes, then
+    ``block_size`` V rows, then padding up to ``attn_block_bytes``. A token-granular
+    attention slot is ``block * block_size + pos % block_size`` (the same block ids
+    as the indexer pages of the request). Built by ``CacheLayout.attn_strides``;
+    offsets come only from ``pallas_kernels.addressing``.
+    """
+
+    block_size: int               # tokens per block
+    kv_row_bytes: int             # bytes of one K row (= one V row)
+    num_blocks: int
+    attn_base_bytes: int          # start of this layer's attention region in the buffer
+    attn_block_bytes: int         # bytes of one attention block of this layer
+    total_bytes: int              # size of the whole flat buffer (padded)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"AttnStrides.{f.name} must be a non-negative int, got {v!r}")
+        if self.block_size < 1 or self.kv_row_bytes < WORD_BYTES or self.kv_row_bytes % WORD_BYTES:
+            raise ValueError(f"kv_row_bytes ({self.kv_row_bytes}) must be a positive multiple of 4 "
+                             f"and block_size ({self.block_size}) >= 1")
+        if 2 * self.block_size * self.kv_row_bytes > self.attn_block_bytes:
+            raise ValueError(
+                f"attention block too small: {self.block_size} tokens x (K + V) x {self.kv_row_bytes} B = "
+                f"{2 * self.block_size * self.kv_row_bytes} B > attn_block_bytes = {self.attn_block_bytes} B")
+        if self.attn_base_bytes % WORD_BYTES or self.attn_block_bytes % WORD_BYTES \
+                or self.total_bytes % (WORD_BYTES * VIEW_COLS):
+            raise ValueError("attention offsets must be word aligned and the buffer a multiple of the view row")
+        if self.attn_base_bytes + self.attn_region_bytes > self.total_bytes:
+            raise ValueError("layer's attention region runs past the end of the buffer")
+        if self.attn_region_bytes // WORD_BYTES >= 2**31 - VIEW_COLS:
+            raise ValueError("one layer's attention region must stay below 8 GiB (31-bit word offsets)")
+
+    @property
+    def attn_region_bytes(self) -> int:
+        return self.num_blocks * self.attn_block_bytes
+
+    @property
+    def num_attn_slots(self) -> int:        # valid token slots: 0 .. num_attn_slots-1
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_words(self) -> int:
+        return self.total_bytes // WORD_BYTES
