@@ -367,7 +367,8 @@ def test_paged_topk_never_materialises_logits(rng):
     table = jnp.zeros((2, 128), jnp.int32)
     pos = jnp.full((2, 4), 64 * 128 * 4 - 1, jnp.int32)
     f = jax.jit(lambda c, q, w, t, p: ops.select_tokens(c, layout, 0, q, w, t, p, topk_tokens=256,
-                                                         short_context=False, implementation="pallas"))
+                                                         short_context=False, implementation="pallas",
+                                                         path="fused"))
     hlo = f.trace(layout.allocate(0), q8, wf, table, pos).lower(lowering_platforms=("cuda",)).as_text()
     pools = 128 * 64
     assert f"x{pools}xf32>" not in hlo and f"{pools}xf32>" not in hlo, "fused path materialises logits"
