@@ -52,18 +52,27 @@ FLOOR_BYTES_PER_TOKEN = 35          # spec 7.3: decode, per context token per la
 def time_read(f, args, reps=10, trials=5, fixed=0):
     """Median seconds per call of f(*args), `reps` dependent calls chained in one jit.
 
-    The first `fixed` args (the cache) go to every call unchanged; the others pass
-    through an optimization barrier with the previous call's output, which makes
-    each call depend on the last (no merging, no overlap) without touching the cache.
+    The first `fixed` args (the cache) go to every call unchanged. Each later call
+    gets its first integer argument plus a 0 that XLA cannot prove is 0 (a compare
+    of the previous output's first element with an unlikely value), so every call
+    depends on the last and none can be merged, hoisted or removed. (Identical
+    calls, or calls whose output nobody reads, are deduplicated or deleted by XLA:
+    the first version of this harness timed 1 call and divided by 10.)
     """
+    n_fixed = fixed
+    int_arg = next(i for i, x in enumerate(args[fixed:])
+                   if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer))
+
     @jax.jit
     def chain(*all_args):
-        c, a = all_args[:fixed], all_args[fixed:]
-        out = f(*c, *a)
+        c, a = all_args[:n_fixed], list(all_args[n_fixed:])
+        outs = [f(*c, *a)]
         for _ in range(reps - 1):
-            out, a = lax.optimization_barrier((out, a))
-            out = f(*c, *a)
-        return out
+            first = jnp.ravel(outs[-1])[0].astype(jnp.float32)
+            dep = (first == jnp.float32(-12345.678)).astype(a[int_arg].dtype)    # 0 in practice
+            a[int_arg] = a[int_arg] + dep
+            outs.append(f(*c, *a))
+        return outs
 
     jax.block_until_ready(chain(*args))                 # compile + warm up
     times = []

@@ -370,8 +370,8 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     then the top-k kernel on bounded chunks of query rows; ``path="fused"`` runs
     the fused logits -> top-k kernel (paged_topk.py), which never writes logits to
     memory at all. Both finish with the expansion kernel. Measured on the H200
-    (docs/benchmarks.md) the unfused path was faster in every case: decode
-    B=64 x 128k 72 vs 103 us, a 128k-token prefill 188 vs 254 ms; the fused path
+    (docs/benchmarks.md) the unfused path was faster in every case (decode
+    B=64 x 128k about 1.5x, a 128k-token prefill 188 vs 254 ms); the fused path
     is kept for memory-bound deployments and as the base for a faster fused kernel.
     """
     op = "select_tokens"
