@@ -269,6 +269,8 @@ def _delegate(module: str) -> Callable[[list], int]:
 COMMANDS: dict[str, Command] = {
     "layout": Command("print the memory plan of a cache layout", layout_main),
     "demo": Command("prefill + decode a few requests and account for every changed byte", demo_main),
+    "simulate": Command("serve the cached-prompt churn workload (spec 6.1) and probe the prompt's pages",
+                        _delegate("glm5_jax.simulate")),
 }
 
 

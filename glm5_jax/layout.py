@@ -174,6 +174,11 @@ class CacheLayout:
         start = s.index_base_bytes + block * s.index_block_bytes
         return start, start + s.index_block_bytes
 
+    def attn_block_byte_range(self, layer: int, block: int) -> tuple[int, int]:
+        """[start, end) bytes of attention block `block` of `layer` (empty when there is no region)."""
+        start = self.attn_base_bytes(layer) + block * self.attn_block_bytes
+        return start, start + self.attn_block_bytes
+
     # ---- memory plan ---------------------------------------------------------------
     def summary(self) -> dict:
         c = self.config

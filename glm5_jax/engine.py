@@ -1,0 +1,463 @@
+"""Serving loop: continuous batching over the tiny decoder and the kpool indexer cache.
+
+``Engine`` owns one flat cache (``CacheLayout`` of the model: attention + indexer
+regions of every layer), one ``BlockPool`` (one device shard) and a scheduler.
+Each ``step()``:
+
+1. admits waiting requests in arrival order while the pool can reserve their
+   whole footprint (a prefix-cache hit reuses cached blocks; see ``blocks``);
+2. schedules every generating request as one decode row (its last token, plus
+   up to ``next_n - 1`` draft tokens to verify) and up to ``max_prefill_requests``
+   prompt chunks;
+3. builds the static-shape step arrays (``step_metadata``), runs ONE jit-compiled
+   step (all layers: indexer writes, selection, sparse attention, LM head) with
+   the cache donated, and reads back the greedy next token of every row;
+4. commits: appends sampled / accepted tokens, registers newly full blocks in
+   the prefix cache, releases finished requests.
+
+Chunked prefill may cut a prompt at ANY token. Policy for a chunk starting
+mid-pool: its first ``(-start) % kpool`` tokens (the head) go through
+``decode_update``, which completes the straddling pool reading its earlier
+members from the tail ring (seeded or stashed by the previous chunk); the
+pool-aligned rest goes through ``compress_prefill`` + ``seed_tail``. The ring
+always holds the members of the incomplete pool, so every pool is written
+exactly once with the same bytes as an unchunked prefill.
+
+Prefix hits land on block boundaries (hence pool boundaries); the recomputed
+suffix (at least one token, starting at the hit) re-seeds the request's fresh
+tail ring, so no raw K/gate has to be cached.
+
+Speculative decoding (``next_n > 1``): a decode row is [last token, d1 .. dk];
+the model's greedy prediction after each row token verifies the drafts; the
+longest matching prefix is accepted plus one corrected/bonus token (the output
+is exactly plain greedy decoding). Rejected drafts were stashed and may have
+completed pools; the next step recomputes from the first rejected position and
+overwrites them before any committed query can read them (spec 5.4). The ring
+is sized for that (``IndexerConfig.num_spec_tokens >= next_n - 1``).
+
+Every step is one call of a module-level ``jax.jit`` function whose static
+arguments are the model structure, layout, implementation and fault; shapes are
+bucketed, so a steady workload reuses its compiled executables. ``compilations``
+counts traces (= compilations) this engine caused.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import metadata as md
+from . import ops
+from .blocks import BlockPool
+from .layout import CacheLayout
+from .model import Decoder
+from .step_metadata import BucketMins, RowSpec, build_step, choose_shape
+
+_TRACE_COUNT = [0]
+
+
+def _step_impl(state, cache, batch, *, graphdef, layout, implementation, fault):
+    _TRACE_COUNT[0] += 1                      # runs once per trace, i.e. per compilation
+    model = nnx.merge(graphdef, state)
+    return model(cache, batch, layout=layout, implementation=implementation, fault=fault)
+
+
+_step = jax.jit(_step_impl, static_argnames=("graphdef", "layout", "implementation", "fault"),
+                donate_argnames=("cache",))
+
+
+def total_traces() -> int:
+    """Step-function traces (compilations) in this process so far."""
+    return _TRACE_COUNT[0]
+
+
+WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: object
+    prompt: list
+    max_new_tokens: int
+    cache_salt: str | None
+    arrival: int
+    status: str = WAITING
+    output: list = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    selected: dict = dataclasses.field(default_factory=dict)     # position -> [L, W] i32
+    predicted: dict = dataclasses.field(default_factory=dict)    # position -> greedy next token
+    snapshot: dict | None = None
+    proposed_drafts: int = 0
+    accepted_drafts: int = 0
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.output
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= len(self.prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    request_id: object
+    prompt_tokens: tuple
+    output_tokens: tuple
+    status: str
+    num_cached_tokens: int          # prefix-cache hit at admission
+    num_computed_tokens: int
+    selected_tokens: dict           # position -> [num_layers, W] (when recording)
+    predicted_tokens: dict          # position -> greedy next token (when recording)
+    snapshot: dict | None           # cache bytes of the request at finish (snapshot_on_finish)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+
+def prompt_lookup_drafts(tokens, k: int, max_ngram: int = 3) -> list:
+    """Default draft proposer: the k tokens that followed the most recent earlier
+    occurrence of the last n tokens (n = max_ngram .. 1); none if no match."""
+    toks = list(tokens)
+    for n in range(min(max_ngram, len(toks) - 1), 0, -1):
+        tail = toks[-n:]
+        for s in range(len(toks) - n - 1, -1, -1):
+            if toks[s:s + n] == tail:
+                return toks[s + n:s + n + k]
+    return []
+
+
+class Engine:
+    """Continuous-batching engine for ``Decoder`` over one flat cache and one BlockPool.
+
+    The model's parameters are captured (``nnx.split``) at construction. Knobs:
+    ``max_running_requests`` (decode rows), ``max_prefill_requests`` and
+    ``prefill_chunk_tokens`` (prefill rows and their width), ``next_n`` (1 + draft
+    tokens verified per decode row), ``bucket_mins`` (raise to pin shapes),
+    ``chunk_policy(request_id, start_token, remaining_tokens, max_tokens) -> int``
+    (cut prompts anywhere), ``draft_fn(request_id, tokens, k) -> list`` (default:
+    prompt lookup), ``record`` (keep each position's selected tokens and greedy
+    prediction), ``snapshot_on_finish`` (keep a request's cache bytes), ``fault``
+    (inject a historical bug), ``dry_run`` (schedule and allocate only).
+    """
+
+    def __init__(self, model: Decoder, num_blocks: int, *, max_running_requests: int = 8,
+                 max_prefill_requests: int = 2, prefill_chunk_tokens: int = 128, next_n: int = 1,
+                 bucket_mins: BucketMins = BucketMins(), implementation=None, fault=None,
+                 chunk_policy=None, draft_fn=None, record: bool = False,
+                 snapshot_on_finish: bool = False, shard: int = 0, dry_run: bool = False):
+        cfg = model.config
+        self.model = model
+        self.layout: CacheLayout = cfg.layout(num_blocks)
+        self.config = cfg.indexer
+        for name, v in (("max_running_requests", max_running_requests),
+                        ("max_prefill_requests", max_prefill_requests),
+                        ("prefill_chunk_tokens", prefill_chunk_tokens), ("next_n", next_n)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if next_n - 1 > self.config.num_spec_tokens:
+            raise ValueError(f"next_n = {next_n} verifies {next_n - 1} draft tokens but the tail ring is "
+                             f"sized for num_spec_tokens = {self.config.num_spec_tokens} (spec 3.4, bug B2)")
+        self.max_running_requests = max_running_requests
+        self.max_prefill_requests = max_prefill_requests
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.next_n = next_n
+        self.bucket_mins = bucket_mins
+        self.implementation = ops.default_implementation() if implementation is None else implementation
+        self.fault = fault
+        self.chunk_policy = chunk_policy
+        self.draft_fn = draft_fn
+        self.record = record
+        self.snapshot_on_finish = snapshot_on_finish
+        self.dry_run = dry_run              # schedule and allocate only: no model, every prediction 0
+        self.block_pool = BlockPool.from_layout(self.layout, shard=shard)
+        self._graphdef, self._state = nnx.split(model)
+        self.cache = self.layout.allocate(0)
+        self._reqs: dict = {}
+        self._waiting: collections.deque = collections.deque()
+        self._running: list = []
+        self._arrivals = 0
+        self.steps = 0
+        self.compilations = 0
+        self.shapes_seen: set = set()
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.generated_tokens = 0
+        self.step_seconds = 0.0
+        self.compile_step_seconds = 0.0     # wall time of the steps that compiled
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id, prompt_tokens, max_new_tokens: int, cache_salt: str | None = None):
+        """Queue a request. ValueError (and no state change) for an empty prompt, token ids
+        outside the vocabulary, max_new_tokens < 1, a duplicate id, or a request that
+        could never fit in the block pool."""
+        if request_id in self._reqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        try:
+            prompt = [int(t) for t in prompt_tokens]
+        except (TypeError, ValueError):
+            raise ValueError("prompt_tokens must be a sequence of ints") from None
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_new_tokens must be a positive int, "
+                             f"got {max_new_tokens!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"request {request_id!r}: cache_salt must be a str or None")
+        try:
+            self.block_pool.check_fits(len(prompt) + max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens + {max_new_tokens} "
+                             f"new tokens can never fit: {e}") from None
+        req = _Request(request_id, prompt, max_new_tokens, cache_salt, self._arrivals)
+        self._arrivals += 1
+        self._reqs[request_id] = req
+        self._waiting.append(req)
+
+    def _get(self, request_id) -> _Request:
+        try:
+            return self._reqs[request_id]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown request id {request_id!r}") from None
+
+    def abort_request(self, request_id) -> None:
+        req = self._get(request_id)
+        if req.status == RUNNING:
+            self._running.remove(req)
+            self.block_pool.release(request_id)
+        elif req.status == WAITING:
+            self._waiting.remove(req)
+        req.status = ABORTED if req.status != FINISHED else req.status
+
+    def get_output(self, request_id) -> RequestOutput:
+        req = self._get(request_id)
+        return RequestOutput(req.request_id, tuple(req.prompt), tuple(req.output), req.status,
+                             req.num_cached_tokens, req.num_computed_tokens, dict(req.selected),
+                             dict(req.predicted), req.snapshot)
+
+    @property
+    def outputs(self) -> dict:
+        """{request_id: RequestOutput} of every request this engine has seen."""
+        return {rid: self.get_output(rid) for rid in self._reqs}
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def request_blocks(self, request_id):
+        """(index_blocks, tail_block) of a running request."""
+        self._get(request_id)
+        rb = self.block_pool.request(request_id)
+        return list(rb.index_blocks), rb.tail_block
+
+    # ---- scheduling --------------------------------------------------------------------
+    def _admit(self):
+        while self._waiting and len(self._running) < self.max_running_requests:
+            req = self._waiting[0]
+            rb = self.block_pool.admit(req.request_id, req.prompt, len(req.prompt) + req.max_new_tokens,
+                                       req.cache_salt)
+            if rb is None:
+                break
+            self._waiting.popleft()
+            req.status = RUNNING
+            req.num_cached_tokens = req.num_computed_tokens = rb.num_cached_tokens
+            self._running.append(req)
+
+    def _chunk(self, req) -> int:
+        start = req.num_computed_tokens
+        remaining = len(req.prompt) - start
+        cap = min(remaining, self.prefill_chunk_tokens)
+        if self.chunk_policy is None:
+            return cap
+        n = self.chunk_policy(req.request_id, start, remaining, self.prefill_chunk_tokens)
+        if not isinstance(n, (int, np.integer)) or not 1 <= n <= cap:
+            raise ValueError(f"chunk_policy returned {n!r} for request {req.request_id!r}; "
+                             f"expected an int in [1, {cap}]")
+        return int(n)
+
+    def _drafts(self, req) -> list:
+        k = min(self.next_n - 1, req.max_new_tokens - len(req.output) - 1)
+        if k <= 0:
+            return []
+        fn = self.draft_fn
+        d = prompt_lookup_drafts(req.tokens, k) if fn is None else fn(req.request_id, list(req.tokens), k)
+        d = [int(t) for t in list(d)[:k]]
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in d):
+            raise ValueError(f"draft_fn proposed a token outside the vocabulary for {req.request_id!r}")
+        return d
+
+    def step(self) -> list:
+        """Run one engine step. Returns the ids of requests that finished in it."""
+        self._admit()
+        if not self._running:
+            return []
+        decode, prefill = [], []
+        for req in self._running:
+            if req.prefill_done:
+                decode.append(req)
+            elif len(prefill) < self.max_prefill_requests:
+                prefill.append(req)
+        dec_rows, dec_drafts = [], []
+        for req in decode:
+            rb = self.block_pool.request(req.request_id)
+            drafts = self._drafts(req)
+            dec_drafts.append(drafts)
+            dec_rows.append(RowSpec([req.tokens[-1]] + drafts, req.num_computed_tokens,
+                                    rb.index_blocks, rb.tail_block))
+        pre_rows = []
+        for req in prefill:
+            rb = self.block_pool.request(req.request_id)
+            n = self._chunk(req)
+            s = req.num_computed_tokens
+            pre_rows.append(RowSpec(req.prompt[s:s + n], s, rb.index_blocks, rb.tail_block))
+        shape = choose_shape(self.config, dec_rows, pre_rows, next_n=self.next_n, mins=self.bucket_mins)
+        arrays = build_step(self.config, shape, dec_rows, pre_rows)
+        t0 = time.perf_counter()
+        if self.dry_run:
+            next_tok, sel = np.zeros(shape.num_tokens, np.int32), None
+        else:
+            batch = {k: jnp.asarray(v) for k, v in arrays.as_dict().items()}
+            before = _TRACE_COUNT[0]
+            self.cache, next_tok, selected = _step(self._state, self.cache, batch, graphdef=self._graphdef,
+                                                   layout=self.layout, implementation=self.implementation,
+                                                   fault=self.fault)
+            next_tok = np.asarray(next_tok)
+            traced = _TRACE_COUNT[0] - before
+            self.compilations += traced
+            if traced:
+                self.compile_step_seconds += time.perf_counter() - t0
+            sel = np.array(selected) if self.record else None
+        self.step_seconds += time.perf_counter() - t0
+        self.shapes_seen.add(shape)
+        self.steps += 1
+
+        finished = []
+        nd, np_ = shape.decode_width_tokens, shape.prefill_width_tokens
+        base = shape.decode_rows * nd
+        for i, (req, row, drafts) in enumerate(zip(decode, dec_rows, dec_drafts)):
+            preds = next_tok[i * nd:i * nd + len(row.token_ids)]
+            a = 0
+            while a < len(drafts) and drafts[a] == preds[a]:
+                a += 1
+            self._record(req, row.start_pos, i * nd, a + 1, next_tok, sel)
+            req.output.extend(int(t) for t in preds[:a + 1])
+            req.num_computed_tokens += a + 1
+            req.proposed_drafts += len(drafts)
+            req.accepted_drafts += a
+            self.decode_tokens += len(row.token_ids)
+            self.generated_tokens += a + 1
+        for j, (req, row) in enumerate(zip(prefill, pre_rows)):
+            n = len(row.token_ids)
+            self._record(req, row.start_pos, base + j * np_, n, next_tok, sel)
+            req.num_computed_tokens += n
+            self.prefill_tokens += n
+            if req.num_computed_tokens == len(req.prompt):
+                req.output.append(int(next_tok[base + j * np_ + n - 1]))
+                self.generated_tokens += 1
+        for req in decode + prefill:
+            self.block_pool.commit(req.request_id, req.tokens, req.num_computed_tokens)
+            if len(req.output) >= req.max_new_tokens:
+                del req.output[req.max_new_tokens:]
+                if self.snapshot_on_finish and not self.dry_run:
+                    req.snapshot = self.request_snapshot(req.request_id)
+                self._running.remove(req)
+                self.block_pool.release(req.request_id)
+                req.status = FINISHED
+                finished.append(req.request_id)
+        return finished
+
+    def _record(self, req, start_pos, flat0, n, next_tok, sel):
+        if sel is None:
+            return
+        for j in range(n):
+            req.predicted[start_pos + j] = int(next_tok[flat0 + j])
+            req.selected[start_pos + j] = sel[:, flat0 + j].copy()
+
+    def run(self, max_steps: int = 100_000, on_step=None) -> dict:
+        """Step until every request finished (or max_steps); returns ``outputs``."""
+        for _ in range(max_steps):
+            if not self.has_unfinished():
+                break
+            self.step()
+            if on_step is not None:
+                on_step(self)
+        else:
+            if self.has_unfinished():
+                raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+        return self.outputs
+
+    # ---- inspection ----------------------------------------------------------------------
+    def cache_bytes(self) -> np.ndarray:
+        """A host copy of the whole flat cache as bytes."""
+        return np.array(self.cache).view(np.uint8)
+
+    def scribble_free_blocks(self, rng) -> int:
+        """Fill every free block that holds nothing cached (all layers: indexer pages,
+        tail ring, attention K/V) with random bytes, so any read of bytes that were
+        never written in a request's lifetime shows up as a difference. Returns the
+        number of blocks scribbled. (Testing aid: a correct engine never reads them.)"""
+        pool, lay = self.block_pool, self.layout
+        blocks = [b for b in pool.free_order() if not pool.is_cached(b)]
+        raw = np.array(self.cache).view(np.uint8)
+        for layer in range(lay.num_layers):
+            for b in blocks:
+                for a, e in (lay.block_byte_range(layer, b), lay.attn_block_byte_range(layer, b)):
+                    raw[a:e] = rng.integers(0, 256, e - a, dtype=np.uint8)
+        self.cache = jnp.asarray(raw.view(np.uint32))
+        return len(blocks)
+
+    def request_snapshot(self, request_id) -> dict:
+        """The cache bytes a running request owns, per layer, by request-relative position:
+        ``pool_keys`` [n_pools, 128] u8 and ``pool_scales`` [n_pools] u32 of its complete
+        pools, ``tail`` {position: (K row, gate row) u16} of its last kpool computed
+        tokens, ``attn_k`` / ``attn_v`` [n_tokens, kv_row_bytes] u8 of its computed tokens."""
+        req = self._get(request_id)
+        rb = self.block_pool.request(request_id)
+        c, lay = self.config, self.layout
+        nc = req.num_computed_tokens
+        cache = np.array(self.cache)
+        pages = md.page_table_pages(np.asarray([rb.index_blocks]), c)
+        n_pools = nc // c.kpool
+        pool_pos = np.arange(n_pools) * c.kpool + c.kpool - 1
+        slots = md.compressed_slot_mapping(pool_pos, np.zeros(n_pools, np.int64), pages, c)
+        pos = np.arange(nc)
+        blocks = np.asarray(rb.index_blocks)[pos // c.block_size]
+        out = []
+        for layer in range(lay.num_layers):
+            keys, scales = lay.pool_keys(cache, layer)
+            tk, tg = lay.tail_ring(cache, layer)
+            ak, av = lay.attn_kv(cache, layer, self.model.config.kv_row_bytes)
+            tail = {int(p): (tk[rb.tail_block, p % c.ring].view(np.uint16).copy(),
+                             tg[rb.tail_block, p % c.ring].view(np.uint16).copy())
+                    for p in range(max(0, nc - c.kpool), nc)}
+            out.append(dict(pool_keys=keys.view(np.uint8)[slots].copy(),
+                            pool_scales=scales.view(np.uint32)[slots].copy(), tail=tail,
+                            attn_k=ak[blocks, pos % c.block_size].copy(),
+                            attn_v=av[blocks, pos % c.block_size].copy()))
+        return dict(num_computed_tokens=nc, index_blocks=list(rb.index_blocks), tail_block=rb.tail_block,
+                    layers=out)
+
+    def stats(self) -> dict:
+        reqs = list(self._reqs.values())
+        return dict(steps=self.steps, compilations=self.compilations, shapes=len(self.shapes_seen),
+                    prefill_tokens=self.prefill_tokens, decode_tokens=self.decode_tokens,
+                    generated_tokens=self.generated_tokens, step_seconds=self.step_seconds,
+                    compile_step_seconds=self.compile_step_seconds,
+                    proposed_drafts=sum(r.proposed_drafts for r in reqs),
+                    accepted_drafts=sum(r.accepted_drafts for r in reqs),
+                    **{k: v for k, v in self.block_pool.stats().items() if k in
+                       ("evictions", "hit_tokens", "cached_blocks", "free_blocks")})

@@ -1,0 +1,190 @@
+"""The nnx Indexer layer: checkpoint names and shapes, safetensors loading, the
+projections (float64 oracle, batch invariance), and a chunked prefill through the
+layer checked byte for byte against the paging-free golden model (spec App. C)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from glm5_jax import invariant as inv
+from glm5_jax.config import IndexerConfig
+from glm5_jax.indexer import (PARAM_NAMES, Indexer, indexer_state_dict, load_indexer_safetensors,
+                              save_indexer_safetensors)
+from glm5_jax.layout import CacheLayout
+from glm5_jax.step_metadata import BucketMins, RowSpec, build_step, choose_shape
+from glm5_jax.testing import _golden_compress
+
+HIDDEN, QL = 64, 32
+CFG = IndexerConfig(n_heads=4, topk=64, block_size=64)
+
+
+def make(rng, cfg=CFG):
+    idx = Indexer(cfg, HIDDEN, QL, rngs=nnx.Rngs(params=int(rng.integers(2**31))))
+    # non-trivial norm parameters (they start as ones / zeros)
+    idx.k_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, 128), jnp.float32)
+    idx.k_norm.bias[...] = jnp.asarray(rng.normal(0, 0.1, 128), jnp.float32)
+    return idx
+
+
+def bf16(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(ml_dtypes.bfloat16)
+
+
+def test_parameter_names_shapes_dtypes(rng):
+    idx = make(rng, IndexerConfig(n_heads=32, topk=2048, block_size=1152))
+    flat = {".".join(map(str, k)): v for k, v in nnx.state(idx, nnx.Param).flat_state()}
+    assert set(flat) == set(PARAM_NAMES)
+    want = {"wq_b": ((32 * 128, QL), jnp.bfloat16), "wk": ((128, HIDDEN), jnp.bfloat16),
+            "k_norm.weight": ((128,), jnp.float32), "k_norm.bias": ((128,), jnp.float32),
+            "weights_proj": ((32, HIDDEN), jnp.float32),
+            "index_kpool_compress_gate": ((128, HIDDEN), jnp.bfloat16),
+            "index_kpool_compress_ape": ((4, 128), jnp.float32)}
+    for name, (shape, dtype) in want.items():
+        v = flat[name][...]
+        assert v.shape == shape and v.dtype == dtype, name
+    assert idx.k_norm.eps == 1e-6
+
+
+def _params(idx):
+    return {k: np.asarray(v).view(np.uint8) for k, v in indexer_state_dict(idx).items()}
+
+
+def test_safetensors_round_trip_with_prefix(rng, tmp_path):
+    a, b = make(rng), make(rng)
+    prefix = "model.layers.3.self_attn.indexer."
+    path = tmp_path / "indexer.safetensors"
+    save_indexer_safetensors(a, path, prefix)
+    used = load_indexer_safetensors(b, path, prefix)
+    assert sorted(used) == sorted(prefix + k for k in indexer_state_dict(a))
+    pa, pb = _params(a), _params(b)
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+def test_loader_checkpoint_dtypes_raw_names_and_errors(rng, tmp_path):
+    """A checkpoint as a model would ship it: bf16 weights_proj (loaded into the fp32
+    copy exactly), the gate as a raw parameter name, the norm in bf16."""
+    idx = make(rng)
+    t = {"wq_b.weight": bf16(rng, (4 * 128, QL)), "wk.weight": bf16(rng, (128, HIDDEN)),
+         "k_norm.weight": bf16(rng, (128,)), "k_norm.bias": bf16(rng, (128,)),
+         "weights_proj.weight": bf16(rng, (4, HIDDEN)),
+         "index_kpool_compress_gate": bf16(rng, (128, HIDDEN)),
+         "index_kpool_compress_ape": rng.standard_normal((4, 128)).astype(np.float32)}
+    path = tmp_path / "ckpt.safetensors"
+    save_file(t, str(path))
+    load_indexer_safetensors(idx, path)
+    np.testing.assert_array_equal(np.asarray(idx.weights_proj[...]), t["weights_proj.weight"].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(idx.wk[...]).view(np.uint16), t["wk.weight"].view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(idx.index_kpool_compress_gate[...]).view(np.uint16),
+                                  t["index_kpool_compress_gate"].view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(idx.k_norm.bias[...]), t["k_norm.bias"].astype(np.float32))
+    bad = dict(t)
+    del bad["wk.weight"]
+    save_file(bad, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match="no tensor wk"):
+        load_indexer_safetensors(idx, tmp_path / "missing.safetensors")
+    bad = dict(t, **{"index_kpool_compress_ape": np.zeros((16, 128), np.float32)})
+    save_file(bad, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(ValueError, match=r"index_kpool_compress_ape has shape \(16, 128\), expected \(4, 128\)"):
+        load_indexer_safetensors(idx, tmp_path / "shape.safetensors")
+
+
+@functools.lru_cache(maxsize=None)
+def _project_fn(graphdef):
+    return jax.jit(lambda st, x, qr: nnx.merge(graphdef, st).project(x, qr))
+
+
+def _project(idx, x, qr):
+    g, st = nnx.split(idx)
+    return [np.asarray(v) for v in _project_fn(g)(st, jnp.asarray(x), jnp.asarray(qr))]
+
+
+def test_projection_against_float64(rng):
+    idx = make(rng)
+    t = int(rng.integers(5, 40))
+    x, qr = bf16(rng, (t, HIDDEN)), bf16(rng, (t, QL))
+    k, gate, q, w = _project(idx, x, qr)
+    f64 = lambda a: np.asarray(a).astype(np.float64)                      # noqa: E731
+    xd, qd = f64(x), f64(qr)
+    kr = (xd @ f64(idx.wk[...]).T).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    mu, var = kr.mean(-1, keepdims=True), kr.var(-1, keepdims=True)
+    k_ref = (kr - mu) / np.sqrt(var + 1e-6) * f64(idx.k_norm.weight[...]) + f64(idx.k_norm.bias[...])
+    np.testing.assert_allclose(f64(k), k_ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(f64(gate), xd @ f64(idx.index_kpool_compress_gate[...]).T, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(f64(q).reshape(t, -1), qd @ f64(idx.wq_b[...]).T, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(f64(w), xd @ f64(idx.weights_proj[...]).T, rtol=1e-5, atol=1e-5)
+    assert k.dtype == gate.dtype == q.dtype == jnp.bfloat16 and w.dtype == np.float32
+    assert q.shape == (t, 4, 128)
+
+
+def test_projection_is_batch_invariant(rng):
+    """A token's projections do not depend on how many other tokens are in the batch."""
+    idx = make(rng)
+    x, qr = bf16(rng, (48, HIDDEN)), bf16(rng, (48, QL))
+    full = _project(idx, x, qr)
+    for m in (1, 2, 3, 7, 17):
+        part = _project(idx, x[-m:], qr[-m:])
+        for a, b in zip(part, full):
+            np.testing.assert_array_equal(a.view(np.uint8), b[-m:].view(np.uint8))
+
+
+def test_invariant_linear_is_batch_invariant_and_accurate(rng):
+    x, w = bf16(rng, (40, 96)), bf16(rng, (96, 24), 0.1)
+    f = jax.jit(inv.linear)
+    full = np.asarray(f(jnp.asarray(x), jnp.asarray(w)))
+    for m in (1, 2, 5, 9):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[:m]), jnp.asarray(w))), full[:m])
+    np.testing.assert_allclose(full, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="bf16"):
+        inv.linear(jnp.zeros((2, 96), jnp.float32), jnp.asarray(w))
+
+
+def test_layer_prefill_in_non_aligned_chunks_matches_golden_pools(rng):
+    """The layer's own projections, written in two chunks split mid-pool, give the
+    paging-free golden pools (Appendix C) and tail ring, byte for byte."""
+    idx = make(rng)
+    lay = CacheLayout(CFG, num_layers=1, num_blocks=8)
+    n = int(rng.integers(70, 120))
+    cut = int(rng.integers(5, n - 5))
+    cut += 1 if cut % CFG.kpool == 0 else 0
+    x, qr = bf16(rng, (n, HIDDEN)), bf16(rng, (n, QL))
+    blocks, tail = [3, 6], 5
+    g, st = nnx.split(idx)
+    mins = BucketMins(prefill_width_tokens=128, table_blocks=2)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def layer(st, cache, xs, qs, batch):
+        return nnx.merge(g, st)(cache, xs, qs, batch, layout=lay, layer=0)
+
+    cache = lay.allocate(0x5A)
+    for s0, s1 in ((0, cut), (cut, n)):
+        rows = [RowSpec(list(range(s1 - s0)), s0, blocks, tail)]
+        shape = choose_shape(CFG, [], rows, next_n=1, mins=mins)
+        arr = build_step(CFG, shape, [], rows)
+        t_pad = shape.num_tokens
+        xs = np.zeros((t_pad, HIDDEN), ml_dtypes.bfloat16)
+        qs = np.zeros((t_pad, QL), ml_dtypes.bfloat16)
+        off = shape.decode_rows * shape.decode_width_tokens
+        xs[off:off + s1 - s0], qs[off:off + s1 - s0] = x[s0:s1], qr[s0:s1]
+        cache, sel = layer(st, cache, jnp.asarray(xs), jnp.asarray(qs),
+                           {k: jnp.asarray(v) for k, v in arr.as_dict().items()})
+    k, gate, _, _ = _project(idx, x, qr)
+    m = n // CFG.kpool
+    q8, scale = _golden_compress(jnp.asarray(k[:m * 4]).reshape(m, 4, 128),
+                                 jnp.asarray(gate[:m * 4]).reshape(m, 4, 128),
+                                 idx.index_kpool_compress_ape[...])
+    keys, scales = lay.pool_keys(cache, 0)
+    slots = [blocks[(p * 4) // 64] * 16 + p % 16 for p in range(m)]      # 16 pools per 64-token block
+    np.testing.assert_array_equal(keys.view(np.uint8)[slots], np.asarray(q8).view(np.uint8))
+    np.testing.assert_array_equal(scales[slots].view(np.uint32), np.asarray(scale).view(np.uint32))
+    tk, tg = lay.tail_ring(cache, 0)
+    for p in range(m * 4, n):
+        np.testing.assert_array_equal(tk[tail, p % CFG.ring].view(np.uint16), k[p].view(np.uint16))
+        np.testing.assert_array_equal(tg[tail, p % CFG.ring].view(np.uint16), gate[p].view(np.uint16))
+    sel = np.asarray(sel)
+    assert sel.shape[1] == CFG.index_width

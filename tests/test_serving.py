@@ -1,0 +1,413 @@
+"""Serving loop: chunked prefill at any token, prefix hits, the cached-prompt probe
+under churn (and the injected dense-stride fault), speculative decoding, bad
+input, and compilation counts.
+
+Every comparison is of bytes (cache pools, scales, tail ring rows, attention K/V)
+or of exact token ids; selected tokens are compared per row as sorted sets (the
+short-context fill and the sparse path emit the same set in different orders).
+
+Compile budget: the 2-layer tests share ONE compiled step (same model structure,
+layout, bucket minimums); the fault probe and the speculative test each add one
+1-layer compile.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from glm5_jax import engine as eng_mod
+from glm5_jax import simulate
+from glm5_jax.blocks import BlockPool
+from glm5_jax.config import IndexerConfig
+from glm5_jax.engine import Engine
+from glm5_jax.model import Decoder, ModelConfig
+from glm5_jax.step_metadata import BucketMins, RowSpec, bucket, build_step, choose_shape
+
+MODEL_CFG = ModelConfig()                       # hidden 256, 2 layers, vocab 512, topk 64, blocks of 64
+NB = 18
+MINS = BucketMins(decode_rows=4, prefill_rows=2, prefill_width_tokens=128, table_blocks=4)
+R = MODEL_CFG.indexer.kpool
+TOPK = MODEL_CFG.indexer.topk
+BS = MODEL_CFG.indexer.block_size
+
+
+def make_engine(model, rng=None, **kw):
+    """The shared 2-layer engine configuration; with rng, every free block starts as
+    random garbage, so a read of never-written bytes cannot match between runs."""
+    kw.setdefault("bucket_mins", MINS)
+    e = Engine(model, NB, max_running_requests=4, max_prefill_requests=2, prefill_chunk_tokens=128, **kw)
+    if rng is not None:
+        e.scribble_free_blocks(rng)
+    return e
+
+
+def random_model(rng, cfg=MODEL_CFG):
+    return Decoder.random(cfg, seed=int(rng.integers(2**31)))
+
+
+def tokens(rng, n, cfg=MODEL_CFG):
+    return [int(t) for t in rng.integers(0, cfg.vocab_size, n)]
+
+
+def step_until_prefilled(engine, rid):
+    while engine.get_output(rid).num_computed_tokens < len(engine.get_output(rid).prompt_tokens):
+        engine.step()
+    return engine.request_snapshot(rid)
+
+
+def assert_same_bytes(a, b, what, positions=None):
+    """Snapshots (Engine.request_snapshot) a and b hold the same bytes."""
+    assert a["num_computed_tokens"] == b["num_computed_tokens"], what
+    for layer, (la, lb) in enumerate(zip(a["layers"], b["layers"])):
+        for key in ("pool_keys", "pool_scales", "attn_k", "attn_v"):
+            assert la[key].shape == lb[key].shape and la[key].size > 0, f"{what}: layer {layer} {key} empty"
+            np.testing.assert_array_equal(la[key], lb[key], err_msg=f"{what}: layer {layer} {key}")
+        assert sorted(la["tail"]) == sorted(lb["tail"]) and la["tail"], f"{what}: tail positions"
+        for p in la["tail"]:
+            for half in (0, 1):
+                np.testing.assert_array_equal(la["tail"][p][half], lb["tail"][p][half],
+                                              err_msg=f"{what}: layer {layer} tail position {p} half {half}")
+
+
+def assert_same_selection(sa, sb, positions, what):
+    assert positions, f"{what}: no rows to compare"
+    for p in positions:
+        np.testing.assert_array_equal(np.sort(sa[p], axis=-1), np.sort(sb[p], axis=-1),
+                                      err_msg=f"{what}: selected tokens of position {p}")
+
+
+def sparse_rows(sel):
+    """Positions whose row is a real sparse selection (fewer tokens than the causal p + 1)."""
+    return [p for p, s in sel.items() if p >= TOPK and (s[0] >= 0).sum() < p + 1]
+
+
+# ---------------------------------------------------------------------------------
+# host-side step metadata (no compilation)
+# ---------------------------------------------------------------------------------
+def test_step_metadata_heads_padding_and_units(rng):
+    cfg = MODEL_CFG.indexer
+    bt = [int(b) for b in rng.permutation(np.arange(1, 40))[:4]]
+    start = int(rng.integers(1, 3 * BS)) | 1                           # odd: never pool aligned
+    n = int(rng.integers(1, 40))
+    dec = [RowSpec([7], 3 * BS - 5, bt[:3], 40)]
+    pre = [RowSpec(list(range(n)), start, bt, 41)]
+    shape = choose_shape(cfg, dec, pre, next_n=2, mins=BucketMins(prefill_width_tokens=8))
+    assert shape.prefill_width_tokens == bucket(n, 8) and shape.table_blocks == bucket(max(3, -(-(start + n) // BS)))
+    a = build_step(cfg, shape, dec, pre)
+    head = min((-start) % R, n)
+    pos = a.pre_positions[0]
+    assert list(pos[:n]) == list(range(start, start + n)) and (pos[n:] == -1).all()
+    # head tokens: decode_update only (update grid row 1), never compress/seed
+    assert (a.pre_slot_pools[0, :head] == -1).all() and (a.pre_tslots[0, :head] == -1).all()
+    assert list(a.upd_positions[1, :head]) == list(range(start, start + head))
+    assert (a.upd_positions[1, head:] == -1).all()
+    live = a.upd_positions >= 0
+    assert (a.upd_token_index[1, :head] == shape.decode_rows * 2 + np.arange(head)).all()
+    # every pool-completing token of the chunk gets exactly one writer, with the page-unit slot
+    for j in range(n):
+        p = start + j
+        slot = a.upd_slot_pools[1, j] if j < head else a.pre_slot_pools[0, j]
+        if (p + 1) % R:
+            assert slot == -1
+        else:
+            blk = bt[p // BS]
+            pool_in_block = (p % BS) // R
+            assert slot == (blk * cfg.pages_per_block + pool_in_block // cfg.page_rows) * cfg.page_rows \
+                + pool_in_block % cfg.page_rows
+        if j >= head:
+            assert a.pre_tslots[0, j] == 41 * cfg.ring + p % cfg.ring
+            assert a.pre_attn_slots[0, j] == bt[p // BS] * BS + p % BS
+    # padding conventions
+    assert (a.dec_positions[0] == [3 * BS - 5, -1]).all() and a.dec_attn_slots[0, 1] == -1
+    assert (a.block_table_blocks[0, 3:] == 0).all() and list(a.block_table_blocks[0, :3]) == bt[:3]
+    assert (a.upd_slot_pools[~live] == -1).all() and (a.upd_tslots[~live] == -1).all()
+    with pytest.raises(ValueError, match="needs"):
+        build_step(cfg, shape, dec, [RowSpec([1] * 4, 0, [], 41)])
+
+
+def test_bucketed_shapes_stop_growing(rng):
+    """A dry-run engine (scheduler + BlockPool, no model) with natural buckets: a
+    steady workload (the same request sizes again, new tokens) adds no step shape."""
+    model = random_model(rng)
+    e = Engine(model, 64, max_running_requests=6, max_prefill_requests=2, prefill_chunk_tokens=128,
+               dry_run=True, bucket_mins=BucketMins(prefill_width_tokens=32, table_blocks=2))
+    sizes = [(int(rng.integers(8, 300)), int(rng.integers(1, 40))) for _ in range(24)]
+
+    def round_(tag):
+        for i, (n, m) in enumerate(sizes):
+            e.add_request(f"{tag}{i}", tokens(rng, n), m)
+        e.run()
+    round_("warm")
+    seen, steps = set(e.shapes_seen), e.steps
+    round_("steady")
+    assert e.steps == 2 * steps and e.shapes_seen == seen
+    assert 1 < len(seen) <= 4 * 2 * 3 * 3                  # rows x prefill rows x widths x tables
+
+
+# ---------------------------------------------------------------------------------
+# chunked prefill at any token
+# ---------------------------------------------------------------------------------
+def random_boundaries(rng, n):
+    """Chunk ends in (0, n): at least one start off the pool grid and one chunk inside a pool."""
+    cuts = set(int(c) for c in rng.integers(1, n, int(rng.integers(2, 6))))
+    a = int(rng.integers(TOPK // 2, n - 8))
+    a += (1 + int(rng.integers(0, R - 1))) if a % R == 0 else 0          # starts mid-pool ...
+    cuts |= {a, a + int(rng.integers(1, R))}                             # ... and a chunk shorter than a pool
+    return sorted(c for c in cuts if 0 < c < n)
+
+
+def test_chunked_prefill_any_boundary_matches_unchunked(rng):
+    model = random_model(rng)
+    n = int(rng.integers(TOPK + 30, 129))                                # > topk: sparse rows exist
+    prompt = tokens(rng, n)
+    new = int(rng.integers(3, 8))
+    ends = random_boundaries(rng, n) + [n]
+    assert any(e % R for e in ends[:-1])
+
+    def policy(rid, start, remaining, cap):
+        return next(e for e in ends if e > start) - start
+
+    one = make_engine(model, rng, record=True, snapshot_on_finish=True)
+    many = make_engine(model, rng, record=True, snapshot_on_finish=True, chunk_policy=policy)
+    one.add_request("r", prompt, new)
+    many.add_request("r", prompt, new)
+    snap_one, snap_many = step_until_prefilled(one, "r"), step_until_prefilled(many, "r")
+    assert many.steps == len(ends) and one.steps == 1
+    assert_same_bytes(snap_one, snap_many, f"after prefill in chunks ending at {ends}")
+    one.run(), many.run()
+    a, b = one.get_output("r"), many.get_output("r")
+    assert a.output_tokens == b.output_tokens and len(a.output_tokens) == new
+    assert_same_bytes(a.snapshot, b.snapshot, f"at finish, chunks ending at {ends}")
+    assert sorted(a.selected_tokens) == list(range(n + new - 1))
+    assert_same_selection(a.selected_tokens, b.selected_tokens, sorted(a.selected_tokens), f"chunks {ends}")
+    assert sparse_rows(a.selected_tokens), "no row took the sparse path: the test would not see pools"
+
+
+# ---------------------------------------------------------------------------------
+# prefix-cache hits
+# ---------------------------------------------------------------------------------
+def test_prefix_hit_matches_salted_recompute(rng):
+    model = random_model(rng)
+    e = make_engine(model, rng, record=True, snapshot_on_finish=True)
+    n = int(rng.integers(2 * BS + 1, 3 * BS - 8))                        # 2 full blocks + a partial one
+    prompt = tokens(rng, n)
+    e.add_request("first", prompt, 4)
+    e.run()
+    first_blocks = e.get_output("first").snapshot["index_blocks"]
+    # the re-hit prompt shares k full blocks (random boundary), then diverges
+    k = int(rng.integers(1, 3))
+    suffix_len = int(rng.integers(1, 3 * BS - k * BS - 6))
+    suffix_len -= 1 if suffix_len % R == 0 else 0                        # the prompt ends mid-pool
+    hit_prompt = prompt[:k * BS] + tokens(rng, suffix_len)
+    assert len(hit_prompt) % R                                           # the re-seeded tail matters
+    new = int(rng.integers(3, 7))
+    assert e.scribble_free_blocks(rng) > 0                              # the first request's tail too
+    e.add_request("hit", hit_prompt, new)
+    e.add_request("salted", hit_prompt, new, cache_salt="control")
+    e.step()
+    hit_blocks, _ = e.request_blocks("hit")
+    assert hit_blocks[:k] == first_blocks[:k]                           # the cached blocks themselves
+    e.run()
+    h, s = e.get_output("hit"), e.get_output("salted")
+    assert h.num_cached_tokens == min(k * BS, (len(hit_prompt) - 1) // BS * BS) > 0
+    assert s.num_cached_tokens == 0
+    assert h.output_tokens == s.output_tokens
+    assert_same_bytes(h.snapshot, s.snapshot, f"hit of {h.num_cached_tokens} tokens vs salted recompute")
+    assert_same_selection(h.selected_tokens, s.selected_tokens, sorted(h.selected_tokens), "hit vs salted")
+    assert min(h.selected_tokens) == h.num_cached_tokens                 # only the suffix was recomputed
+    # teacher forcing: prefilling prompt + generated tokens predicts the same tokens
+    e.add_request("forced", hit_prompt + list(h.output_tokens[:-1]), 1, cache_salt="forced")
+    e.run()
+    pred = e.get_output("forced").predicted_tokens
+    assert [pred[len(hit_prompt) - 1 + j] for j in range(new)] == list(h.output_tokens)
+
+
+def test_full_prompt_hit_recomputes_last_block(rng):
+    """A prompt of whole blocks, all cached: the hit stops one block short, so the
+    recomputed suffix re-seeds the fresh tail ring."""
+    model = random_model(rng)
+    e = make_engine(model, rng, snapshot_on_finish=True, record=True)
+    prompt = tokens(rng, 2 * BS)
+    e.add_request("a", prompt, 3)
+    e.run()
+    e.scribble_free_blocks(rng)
+    e.add_request("b", prompt, 3)
+    e.add_request("c", prompt, 3, cache_salt="x")
+    e.run()
+    b, c = e.get_output("b"), e.get_output("c")
+    assert b.num_cached_tokens == BS and c.num_cached_tokens == 0
+    assert b.output_tokens == c.output_tokens == e.get_output("a").output_tokens
+    assert_same_bytes(b.snapshot, c.snapshot, "whole-block prompt hit")
+
+
+# ---------------------------------------------------------------------------------
+# churn: the cached prompt's pages under fillers with evictions; the injected fault
+# ---------------------------------------------------------------------------------
+def _churn_workload(rng, model_config, num_blocks, **kw):
+    """A random workload whose dry run (scheduler + BlockPool, no model) evicts while
+    the prompt stays cached; a few seeds are tried."""
+    base = dict(model_config=model_config, prompt_tokens=int(rng.integers(TOPK + BS, 3 * BS - 8)),
+                fillers=12, rounds=3, concurrency=4, filler_min_tokens=16, filler_max_tokens=140,
+                filler_max_new_tokens=6, prompt_max_new_tokens=4, num_blocks=num_blocks)
+    base.update(kw)
+    model = Decoder.random(model_config, seed=0)
+    for _ in range(30):
+        w = simulate.Workload(seed=int(rng.integers(2**31)), **base)
+        d = simulate.dry_run(w, num_blocks, model)
+        if d["evictions"] > 0 and d["prompt_resident"]:
+            return w
+    pytest.fail("no random workload both evicts and keeps the prompt cached")
+
+
+def test_churn_keeps_cached_prompt_pages_byte_identical(rng):
+    w = _churn_workload(rng, MODEL_CFG, NB)
+    rep = simulate.run_workload(w)
+    assert rep["evictions"] > 0 and rep["prompt_stayed_cached"]
+    assert rep["watched_bytes"] == MODEL_CFG.num_layers * (w.prompt_tokens // BS) * \
+        MODEL_CFG.indexer.index_block_bytes
+    assert rep["bytes_changed"] == 0 and rep["first_change_step"] is None
+    assert rep["rehits_equal_control"] and rep["rehit_pools_equal_control"]
+    assert all(r["rehit_cached_tokens"] == (w.prompt_tokens // BS) * BS for r in rep["rounds"])
+    assert all(r["selected_rows_compared"] > 0 for r in rep["rounds"])
+    assert rep["ok"] and rep["compilations"] <= 1
+
+
+def test_churn_probe_catches_dense_tail_stride_fault(rng):
+    cfg = dataclasses.replace(MODEL_CFG, num_layers=1)                 # one more compile, kept small
+    w = dataclasses.replace(_churn_workload(rng, cfg, NB), fault="dense-tail-stride")
+    rep = simulate.run_workload(w)
+    assert rep["prompt_stayed_cached"]
+    assert rep["bytes_changed"] > 0 and rep["pages_changed"] > 0, "the probe missed the injected fault"
+    assert not rep["ok"]
+
+
+def test_simulate_main_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as ei:
+        simulate.main(["--fillers", "0"])
+    assert ei.value.code == 2
+    assert simulate.main(["--prompt-tokens", "10", "--no-progress"]) == 2
+    assert "must exceed topk" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------
+# speculative decoding with random rejections == plain decoding
+# ---------------------------------------------------------------------------------
+SPEC_CFG = ModelConfig(num_layers=1, indexer=IndexerConfig(n_heads=4, topk=64, block_size=128,
+                                                           num_spec_tokens=3))
+
+
+def test_speculative_verify_with_rejections_matches_plain_decode(rng):
+    model = random_model(rng, SPEC_CFG)
+    mins = BucketMins(decode_rows=2, prefill_rows=1, prefill_width_tokens=128, table_blocks=2)
+    prompts = [tokens(rng, int(rng.integers(TOPK + 1, 120)), SPEC_CFG) for _ in range(2)]
+    new = [int(rng.integers(20, 40)) for _ in prompts]
+
+    def run(draft_fn):
+        e = Engine(model, 12, max_running_requests=2, max_prefill_requests=1, prefill_chunk_tokens=128,
+                   next_n=4, bucket_mins=mins, draft_fn=draft_fn, record=True, snapshot_on_finish=True)
+        for i, (p, m) in enumerate(zip(prompts, new)):
+            e.add_request(i, p, m)
+        e.run()
+        return e
+
+    plain = run(lambda rid, toks, k: [])                                 # one token per step
+    truth = {i: list(prompts[i]) + list(plain.get_output(i).output_tokens) for i in range(2)}
+
+    def drafts(rid, toks, k):                                           # the true continuation, corrupted
+        fut = truth[rid][len(toks):len(toks) + k]
+        return [t if rng.random() < 0.7 else (t + 1) % SPEC_CFG.vocab_size for t in fut]
+
+    spec = run(drafts)
+    st = spec.stats()
+    assert st["proposed_drafts"] > st["accepted_drafts"] > 0, "no rejection or no acceptance happened"
+    assert spec.steps < plain.steps
+    for i in range(2):
+        a, b = plain.get_output(i), spec.get_output(i)
+        assert a.output_tokens == b.output_tokens
+        assert_same_bytes(a.snapshot, b.snapshot, f"request {i}: spec decode vs plain")
+        assert_same_selection(a.selected_tokens, b.selected_tokens, sorted(a.selected_tokens), f"request {i}")
+        assert sorted(b.selected_tokens) == sorted(a.selected_tokens)
+
+
+def test_next_n_needs_a_ring_sized_for_it(rng):
+    with pytest.raises(ValueError, match="num_spec_tokens"):
+        Engine(random_model(rng), NB, next_n=2)
+
+
+# ---------------------------------------------------------------------------------
+# bad input and compilations
+# ---------------------------------------------------------------------------------
+def test_engine_rejects_bad_input_and_others_are_unaffected(rng):
+    model = random_model(rng)
+    e = make_engine(model)
+    prompt = tokens(rng, int(rng.integers(20, 120)))
+    e.add_request("ok", prompt, 5)
+    e.step()
+    bad = [
+        (("empty", [], 3), "empty prompt"),
+        (("ok", tokens(rng, 5), 3), "duplicate request id"),
+        (("vocab", [1, MODEL_CFG.vocab_size], 3), "outside the vocabulary"),
+        (("neg", [-1, 2], 3), "outside the vocabulary"),
+        (("long", tokens(rng, (NB - 2) * BS), 1), "can never fit"),
+        (("new0", [1, 2], 0), "max_new_tokens"),
+        (("salt", [1, 2], 2, 5), "cache_salt"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            e.add_request(*args)
+    for fn in (e.get_output, e.abort_request, e.request_blocks):
+        with pytest.raises(ValueError, match="unknown request id"):
+            fn("nope")
+    assert set(e.outputs) == {"ok"}
+    e.block_pool.check_invariants()
+    e.run()
+    clean = make_engine(model)
+    clean.add_request("ok", prompt, 5)
+    clean.run()
+    assert e.get_output("ok").output_tokens == clean.get_output("ok").output_tokens
+    assert e.get_output("ok").finished
+    e.block_pool.check_invariants()
+    assert e.block_pool.num_free_blocks == NB - 1
+
+
+def test_waiting_request_is_admitted_when_blocks_free(rng):
+    model = random_model(rng)
+    e = make_engine(model)
+    big = (NB - 3) * BS // 2                                             # two of these cannot coexist
+    e.add_request("a", tokens(rng, 100), big - 100)
+    e.add_request("b", tokens(rng, 100), big - 100)
+    e.step()
+    assert e.get_output("a").status == "running" and e.get_output("b").status == "waiting"
+    e.step()
+    assert e.get_output("b").status == "waiting"
+    e.abort_request("a")
+    assert e.get_output("a").status == "aborted"
+    e.step()
+    assert e.get_output("b").status == "running"
+    e.abort_request("b")
+    e.block_pool.check_invariants()
+    assert e.block_pool.num_free_blocks == NB - 1 and not e.has_unfinished()
+
+
+def test_no_recompile_in_steady_state(rng):
+    model = random_model(rng)
+    e = make_engine(model)
+
+    def round_(tag):
+        for i in range(3):
+            e.add_request(f"{tag}{i}", tokens(rng, int(rng.integers(5, 200))), int(rng.integers(1, 6)))
+        e.run()
+    round_("warm")
+    warm_compiles, warm_steps = e.compilations, e.steps
+    before = eng_mod.total_traces()
+    round_("steady")
+    assert e.steps > warm_steps
+    assert eng_mod.total_traces() == before and e.compilations == warm_compiles
+    assert warm_compiles <= 1 and len(e.shapes_seen) == 1
+
+
+def test_block_pool_per_shard_state():
+    pools = [BlockPool(8, 4, shard=i) for i in range(2)]
+    pools[0].admit("r", [1, 2, 3], 4)
+    assert pools[0].requests() == ["r"] and pools[1].requests() == []
+    assert pools[1].stats()["shard"] == 1
