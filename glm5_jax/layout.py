@@ -170,14 +170,11 @@ class CacheLayout:
 
     def block_byte_range(self, layer: int, block: int) -> tuple[int, int]:
         """[start, end) bytes of indexer block `block` of `layer` (its tail aliases the start)."""
-        s = self.strides(layer)
-        start = s.index_base_bytes + block * s.index_block_bytes
-        return start, start + s.index_block_bytes
+        return addr.index_block_byte_range(self.strides(layer), block)
 
     def attn_block_byte_range(self, layer: int, block: int) -> tuple[int, int]:
         """[start, end) bytes of attention block `block` of `layer` (empty when there is no region)."""
-        start = self.attn_base_bytes(layer) + block * self.attn_block_bytes
-        return start, start + self.attn_block_bytes
+        return addr.attn_block_byte_range(self.attn_base_bytes(layer), self.attn_block_bytes, block)
 
     # ---- memory plan ---------------------------------------------------------------
     def summary(self) -> dict:

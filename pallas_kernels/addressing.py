@@ -76,16 +76,20 @@ def tail_row_words(s: CacheStrides, block, ring_slot, half):
 
 
 # ---- global word address -> (row, col) of the 2-D view -------------------------
-def split_word(s: CacheStrides, local_words):
-    """(row, col) in the [rows, VIEW_COLS] view of layer-local word offset(s).
+def _split(base_words: int, local_words):
+    """(row, col) of global word base_words + local_words in the [rows, VIEW_COLS] view.
 
-    global = index_base_words + local. The static base is split first so every
-    intermediate stays below 2**31 for any buffer size.
+    The static base is split first so every intermediate stays below 2**31 for any
+    buffer size (local_words < 2**31 - VIEW_COLS is enforced by CacheLayout).
     """
-    base = s.index_base_bytes // WORD_BYTES
-    base_hi, base_lo = base >> VIEW_COL_BITS, base & (VIEW_COLS - 1)
+    base_hi, base_lo = base_words >> VIEW_COL_BITS, base_words & (VIEW_COLS - 1)
     w = local_words + base_lo
     return base_hi + (w >> VIEW_COL_BITS), w & (VIEW_COLS - 1)
+
+
+def split_word(s: CacheStrides, local_words):
+    """(row, col) in the [rows, VIEW_COLS] view of layer-local indexer word offset(s)."""
+    return _split(s.index_base_bytes // WORD_BYTES, local_words)
 
 
 def global_word(s: CacheStrides, local_words):
@@ -152,12 +156,22 @@ def attn_row_words(a, slot, half):
 def attn_split_word(a, local_words):
     """(row, col) in the [rows, VIEW_COLS] view of an attention-region word offset
     (layer-local, as returned by ``attn_row_words``); same scheme as ``split_word``."""
-    base = a.attn_base_bytes // WORD_BYTES
-    base_hi, base_lo = base >> VIEW_COL_BITS, base & (VIEW_COLS - 1)
-    w = local_words + base_lo
-    return base_hi + (w >> VIEW_COL_BITS), w & (VIEW_COLS - 1)
+    return _split(a.attn_base_bytes // WORD_BYTES, local_words)
 
 
 def attn_global_word(a, local_words):
     """Global word address of an attention-region offset (host-side inspection only)."""
     return a.attn_base_bytes // WORD_BYTES + local_words
+
+
+# ---- whole blocks (host-side inspection and ownership checks) --------------------
+def index_block_byte_range(s: CacheStrides, block: int) -> tuple[int, int]:
+    """[start, end) global bytes of indexer block `block` (its tail ring aliases the start)."""
+    start = s.index_base_bytes + block * s.index_block_bytes
+    return start, start + s.index_block_bytes
+
+
+def attn_block_byte_range(attn_base_bytes: int, attn_block_bytes: int, block: int) -> tuple[int, int]:
+    """[start, end) global bytes of attention block `block` of a layer's attention region."""
+    start = attn_base_bytes + block * attn_block_bytes
+    return start, start + attn_block_bytes
