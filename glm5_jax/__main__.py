@@ -39,14 +39,20 @@ class _UsageError(Exception):
     """Bad input found after argument parsing (e.g. the library's ValueError)."""
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+def int_at_least(lowest: int):
+    """argparse type: an integer >= lowest, with a one-line error otherwise."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {v}")
+        return v
+    return parse
+
+
+_nonneg_int = int_at_least(0)
 
 
 def _parser(command: str, description: str) -> argparse.ArgumentParser:

@@ -372,13 +372,8 @@ def format_table(rep: dict) -> str:
 
 
 def _pos_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+    from .__main__ import int_at_least
+    return int_at_least(1)(text)
 
 
 def main(argv=None) -> int:
