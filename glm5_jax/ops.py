@@ -278,6 +278,16 @@ def _check_page_table(op, page_table_pages, context_pools, layout: CacheLayout, 
                          f"layer (0 .. {s.num_blocks * s.pages_per_block - 1}) but lies inside the context")
 
 
+def _check_read_inputs(op, cache, layout, q8, weights, page_table_pages, per_row_name, per_row):
+    """Common checks of the read ops; returns (q8, weights) padded and (B, n, padded heads)."""
+    _check_cache(op, cache, layout)
+    q8, weights = _check_queries(op, q8, weights)
+    b, n, hp, _ = q8.shape
+    _check(op, "page_table_pages", page_table_pages, (b, page_table_pages.shape[-1]), _INT)
+    _check(op, per_row_name, per_row, (b, n), _INT)
+    return q8, weights, (b, n, hp)
+
+
 def paged_logits(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, context_pools, *,
                  implementation=None, interpret=None):
     """Indexer logits over each request's own pages (spec 2.4, 5.7, 5.8).
@@ -292,17 +302,24 @@ def paged_logits(cache, layout: CacheLayout, layer: int, q8, weights, page_table
     Prefill: B = 1 and n = the request's query rows.
     """
     op = "paged_logits"
-    _check_cache(op, cache, layout)
-    q8, weights = _check_queries(op, q8, weights)
-    b, n, hp, _ = q8.shape
-    _check(op, "page_table_pages", page_table_pages, (b, page_table_pages.shape[-1]), _INT)
-    _check(op, "context_pools", context_pools, (b, n), _INT)
+    q8, weights, (b, n, hp) = _check_read_inputs(op, cache, layout, q8, weights, page_table_pages,
+                                                 "context_pools", context_pools)
     s = layout.strides(layer)
     _check_page_table(op, page_table_pages, context_pools, layout, s)
     if _read_impl(op, implementation, s, hp) == "xla":
         return ref.paged_logits_strides(cache, s, q8, weights, page_table_pages, context_pools)
     from pallas_kernels.paged_logits import paged_logits as kernel
     return kernel(cache, s, q8, weights, page_table_pages, context_pools, interpret=interpret)
+
+
+def _check_rows_and_count(op, name, x, shape_text, dtypes, per_row_name, per_row, count_name, count):
+    """x: a 2-D array of dtypes; per_row: [rows] int32; count: a positive Python int."""
+    if x.ndim != 2:
+        raise ValueError(f"{op}: {name} must be {shape_text}, got {tuple(x.shape)}")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"{op}: {count_name} must be a positive int, got {count!r}")
+    _check(op, name, x, x.shape, dtypes)
+    _check(op, per_row_name, per_row, x.shape[:1], _INT)
 
 
 def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, splits=None):
@@ -314,12 +331,7 @@ def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, 
     sets how many programs share a row (default: chosen from the shape).
     """
     op = "topk_pools"
-    if logits.ndim != 2:
-        raise ValueError(f"{op}: logits must be [rows, n], got {tuple(logits.shape)}")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"{op}: k must be a positive int, got {k!r}")
-    _check(op, "logits", logits, logits.shape, _F32)
-    _check(op, "lengths", lengths, logits.shape[:1], _INT)
+    _check_rows_and_count(op, "logits", logits, "[rows, n]", _F32, "lengths", lengths, "k", k)
     if _impl(op, implementation) == "xla":
         return ref.topk_pools(logits, lengths, k)
     from pallas_kernels.topk import topk_pools as kernel
@@ -334,12 +346,8 @@ def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, 
     Pool ids outside [0, seq_len // kpool) are rejected (-1), never expanded.
     """
     op = "expand_pools"
-    if pool_ids.ndim != 2:
-        raise ValueError(f"{op}: pool_ids must be [rows, k], got {tuple(pool_ids.shape)}")
-    if not isinstance(kpool, int) or isinstance(kpool, bool) or kpool < 1:
-        raise ValueError(f"{op}: kpool must be a positive int, got {kpool!r}")
-    _check(op, "pool_ids", pool_ids, pool_ids.shape, _INT)
-    _check(op, "seq_lens_tokens", seq_lens_tokens, pool_ids.shape[:1], _INT)
+    _check_rows_and_count(op, "pool_ids", pool_ids, "[rows, k]", _INT, "seq_lens_tokens", seq_lens_tokens,
+                          "kpool", kpool)
     if _impl(op, implementation) == "xla":
         return ref.expand_pools(pool_ids, seq_lens_tokens, kpool)
     from pallas_kernels.expand import expand_pools as kernel
@@ -375,11 +383,8 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     is kept for memory-bound deployments and as the base for a faster fused kernel.
     """
     op = "select_tokens"
-    _check_cache(op, cache, layout)
-    q8, weights = _check_queries(op, q8, weights)
-    b, n, hp, _ = q8.shape
-    _check(op, "page_table_pages", page_table_pages, (b, page_table_pages.shape[-1]), _INT)
-    _check(op, "positions", positions, (b, n), _INT)
+    q8, weights, (b, n, hp) = _check_read_inputs(op, cache, layout, q8, weights, page_table_pages,
+                                                 "positions", positions)
     c = layout.config
     t = c.topk if topk_tokens is None else topk_tokens
     if not isinstance(t, int) or isinstance(t, bool) or t < c.kpool or t % c.kpool:
