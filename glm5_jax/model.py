@@ -31,6 +31,7 @@ from flax import nnx
 from jax import lax
 
 from pallas_kernels import addressing as addr
+from pallas_kernels.strides import WORD_BYTES
 
 from . import invariant as inv
 from .config import IndexerConfig
@@ -105,7 +106,7 @@ def _unpack_bf16(w):
 def write_kv(cache, a, k, v, slots):
     """Store K, V rows [T, head_dim] bf16 at attention slots [T] (-1 = padding: no write)."""
     view = cache.reshape(addr.view_shape(a))
-    n_words = a.kv_row_bytes // 4
+    n_words = a.kv_row_bytes // WORD_BYTES
     ok = addr.attn_slot_valid(a, slots)
     s = jnp.where(ok, slots, 0)
     iota = jnp.arange(n_words, dtype=jnp.int32)
@@ -127,7 +128,7 @@ def gather_kv(cache, a, tokens, block_tables):
     slot = addr.attn_slot(a, blk, row_in_block)
     ok = ok & addr.attn_slot_valid(a, slot)
     slot = jnp.where(ok, slot, 0)
-    iota = jnp.arange(a.kv_row_bytes // 4, dtype=jnp.int32)
+    iota = jnp.arange(a.kv_row_bytes // WORD_BYTES, dtype=jnp.int32)
     out = []
     for half in (0, 1):
         r, c = addr.attn_split_word(a, addr.attn_row_words(a, slot, half)[..., None] + iota)
