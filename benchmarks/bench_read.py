@@ -165,6 +165,53 @@ def bench_topk(rows, n, k, reps, trials):
             for name, t in res.items()]
 
 
+LOGITS_SWEEP = [(1, 8, 4), (2, 4, 4), (4, 2, 4), (8, 1, 4), (4, 2, 8), (8, 1, 8), (8, 2, 8), (16, 1, 8)]
+TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (2048, 264, 4, 4), (4096, 264, 4, 4),
+              (4096, 528, 4, 8), (2048, 132, 4, 4), (8192, 264, 4, 8), (1024, 528, 4, 4),
+              (2048, 264, 2, 4), (2048, 264, 8, 4)]
+
+
+def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
+    """Launch shapes of the paged-logits and top-k kernels, each checked against the
+    XLA reference before it is timed (a wrong variant is reported, not timed)."""
+    from pallas_kernels import paged_logits as plg
+    from pallas_kernels import topk as tk
+    layout, cache, table, key, heads = read_case(cfg, batch, ctx_tokens)
+    s = layout.strides(0)
+    q8, w = queries(key, batch, 1, heads)
+    ctx = jnp.full((batch, 1), ctx_tokens // cfg.kpool, jnp.int32)
+    want = np.asarray(ops.paged_logits(cache, layout, 0, q8, w, table, ctx, implementation="xla"))
+    fin = np.isfinite(want)
+    rows = []
+    for v in (LOGITS_SWEEP[:2] if quick else LOGITS_SWEEP):
+        t = plg.Tuning(*v)
+        f = jax.jit(lambda c, q, w_, tb, x, t=t: plg.paged_logits(c, s, q, w_, tb, x, tune=t))
+        got = np.asarray(f(cache, q8, w, table, ctx))
+        ok = bool((np.isfinite(got) == fin).all() and np.allclose(got[fin], want[fin], rtol=1e-4,
+                                                                 atol=1e-4 * np.abs(want[fin]).max()))
+        sec = time_read(f, (cache, q8, w, table, ctx), reps, trials, fixed=1) if ok else float("nan")
+        rows.append(dict(kind="sweep", case=f"logits B={batch} ctx={ctx_tokens // 1024}k",
+                         impl=f"G={v[0]} steps={v[1]} warps={v[2]}" + ("" if ok else " WRONG"), s=sec, ok=ok))
+    lg = jnp.asarray(want).reshape(batch, -1)
+    cases = [(f"topk [{batch}, {lg.shape[1]}]", lg, ctx.reshape(-1), cfg.topk_pools)]
+    r_, n_, k_ = topk_case
+    x = jax.random.normal(jax.random.PRNGKey(7), (r_, n_), jnp.float32)
+    cases.append((f"topk [{r_}, {n_}] k={k_}", x, jnp.full((r_,), n_, jnp.int32), k_))
+    for name, sc, ln, k in cases:
+        ref_ids = np.asarray(ops.topk_pools(sc, ln, k, implementation="xla"))
+        for v in (TOPK_SWEEP[:2] if quick else TOPK_SWEEP):
+            t = tk.Tuning(*v)
+            f = jax.jit(lambda x_, l_, t=t, k=k: tk.topk_pools(x_, l_, k, tune=t))
+            ok = bool((np.asarray(f(sc, ln)) == ref_ids).all())
+            sec = time_read(f, (sc, ln), reps, trials) if ok else float("nan")
+            rows.append(dict(kind="sweep", case=name, impl=f"chunk={v[0]} progs={v[1]} bpk={v[2]} warps={v[3]}"
+                             + ("" if ok else " WRONG"), s=sec, ok=ok))
+    for r in rows:                                      # speed-up over the case's first variant
+        first = next(x for x in rows if x["case"] == r["case"])
+        r["vs_base"] = first["s"] / r["s"]
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
@@ -176,6 +223,8 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+",
                     help="decode contexts in tokens (default 32768 131072 1048576)")
     ap.add_argument("--prefills", type=int, nargs="+", help="prefill lengths in tokens (default 32768 131072)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the launch shapes of the logits and top-k kernels (B=64 x 128k)")
     a = ap.parse_args(argv)
     if a.quick:
         cfg = IndexerConfig(block_size=512, topk=64)          # 64-row pages, 16 pools selected
@@ -199,6 +248,8 @@ def main(argv=None):
             rows += bench_prefill(cfg, c, 1 if not a.quick else reps, min(trials, 3), a.quick)
     if not a.skip_topk:
         rows += bench_topk(*topk_case, reps, trials)
+    if a.sweep:
+        rows += bench_sweep(cfg, *(decode[0] if a.quick else (64, 131072)), topk_case, reps, trials, a.quick)
 
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
     print(f"copy bandwidth measured now: {bw / 1e12:.3f} TB/s; decode floor = "
@@ -209,12 +260,13 @@ def main(argv=None):
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        vs = r.get("vs_xla", r.get("vs_lax_top_k"))
+        vs = r.get("vs_xla", r.get("vs_lax_top_k", r.get("vs_base")))
         fl = f"{r['x_floor']:>9.2f}" if "x_floor" in r else f"{'':>9}"
         tf = f"{r['tflops']:>9.2f}" if "tflops" in r else f"{'':>9}"
         print(f"{r['kind']:<8}{r['case']:<22}{r['impl']:<30}{r['s'] * 1e6:>12.1f}{vs:>8.2f}x{fl}{tf}")
     print("\nvs XLA: XLA time / this time (topk rows: lax.top_k time / this time); "
-          "x floor: this time / bandwidth-floor time (1.00 = at the floor).")
+          "x floor: this time / bandwidth-floor time (1.00 = at the floor); sweep rows: time of the "
+          "case's first variant (one page per step; no top-k pre-filter) / this time.")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),

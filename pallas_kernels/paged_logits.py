@@ -10,22 +10,24 @@ its programs, and the 128 key bytes + 4 scale bytes of every pool a row can see
 (pages whose id is out of range are never read; their pools score -inf).
 Writes ONLY its output [B, n, max_pages * P] f32. The cache is not modified.
 
-Grid: (B, ceil(n / BN), ceil(max_pages / PAGES_PER_PROGRAM)). A program holds BN
-query rows of one request (the BN*Hp rows of q8 are the M side of the dot, so the
-next_n rows of a decode request share every page read) and walks
-PAGES_PER_PROGRAM page-table columns. Per page it gathers the [P, 32] key words
-(neighbouring lanes read neighbouring words) and the P scales, transposes the
-u32 word tile, unpacks the fp8 bytes into K-major [128, P] order, computes an
-fp8 x fp8 -> f32 dot [BN*Hp, 128] x [128, P], scales, applies ReLU, sums the
-weighted heads and stores [BN, P] logits. Columns past the block's longest
-context store -inf without touching the cache.
+Grid: (B, ceil(n / BN), ceil(max_pages / (pages_per_step * steps))). A program
+holds BN query rows of one request (the next_n rows of a decode request share
+every page read) and walks `steps` steps of `pages_per_step` (G) page-table
+columns (``Tuning``). Per step it gathers the G pages' [G*P, 32] key words at
+once (neighbouring lanes read neighbouring words; more bytes in flight than one
+page at a time) and their G*P scales, unpacks the fp8 bytes row-major
+([G*P, 128], K contiguous), computes the fp8 x fp8 -> f32 dot keys x queries^T
+[G*P, 128] x [128, BN*Hp], scales, applies ReLU, sums the weighted heads and
+stores [BN, G*P] logits. Columns past the block's longest context store -inf
+without touching the cache.
 
-The helpers ``load_query_block``, ``load_page`` and ``page_logits`` are shared
-with the fused logits -> top-k kernel (paged_topk.py), so both score a pool with
-the same operations.
+The helpers ``load_query_block``, ``load_pages`` and ``pages_logits`` (through
+``score_pages``) are shared with the fused logits -> top-k kernel
+(paged_topk.py), so both score a pool with the same operations.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -38,7 +40,9 @@ from . import addressing as addr
 from . import numerics as nm
 from .strides import CacheStrides
 
-PAGES_PER_PROGRAM = 8
+PAGES_PER_STEP = 4          # page-table columns gathered at once (defaults of Tuning)
+STEPS = 2                   # steps per program
+NUM_WARPS = 4
 MAX_DOT_ROWS = 128          # BN * Hp: query rows per program times padded heads
 
 
@@ -93,91 +97,118 @@ def load_query_block(ctx_ref, q_ref, w_ref, b, r0, *, n: int, hp: int, bn: int) 
     return QueryBlock(q8, w, ctx, row_ok, flat)
 
 
-def unpack_fp8_words_t(w):
-    """[32, P] uint32 (word w of row r at [w, r]) -> [128, P] float8_e4m3fn (byte d of row r
-    at [d, r]): the keys transposed, K-major, as the B operand of a dot wants them."""
-    p = w.shape[1]
-    shift = (_iota((addr.KEY_WORDS, 4, p), 1) * 8).astype(jnp.uint32)
-    b = ((w[:, None, :] >> shift) & 0xFF).astype(jnp.uint8).reshape(nm.HEAD_DIM, p)
+def unpack_fp8_words(w):
+    """[N, 32] uint32 (the 32 key words of N pools) -> [N, 128] float8_e4m3fn, byte d of
+    pool r at [r, d]: row-major keys, K contiguous, as the fp8 dot wants both operands."""
+    n = w.shape[0]
+    shift = (_iota((n, addr.KEY_WORDS, 4), 2) * 8).astype(jnp.uint32)
+    b = ((w[:, :, None] >> shift) & 0xFF).astype(jnp.uint8).reshape(n, nm.HEAD_DIM)
     return lax.bitcast_convert_type(b, nm.FP8)
 
 
-def load_page(cache_ref, s: CacheStrides, page, ok):
-    """(k8t [128, P] e4m3fn = the page's keys transposed, kscale [P] f32) of page `page`
-    (a scalar); nothing is read unless ok."""
-    p = s.page_rows
-    row = _iota((p, addr.KEY_WORDS), 0)
-    w = _iota((p, addr.KEY_WORDS), 1)
-    page = jnp.where(ok, page, 0)
-    # [P, 32]: neighbouring lanes read neighbouring words (coalesced 128-byte rows);
-    # the u32 tile is then transposed (not the fp8 one) to get K-major keys
-    rr, cc = addr.split_word(s, addr.page_key_words(s, page, row) + w)            # [P, 32]
-    words = B.gather(cache_ref, rr, cc, mask=ok & (w >= 0), other=0).T            # [32, P]
-    r1 = _iota((p,), 0)
-    rs, cs = addr.split_word(s, addr.page_scale_words(s, page, r1))               # [P]
-    sw = B.gather(cache_ref, rs, cs, mask=ok & (r1 >= 0), other=0)
-    return unpack_fp8_words_t(words), lax.bitcast_convert_type(sw, jnp.float32)
+def load_pages(cache_ref, s: CacheStrides, pages, ok):
+    """Keys and scales of G pages at once (more bytes in flight per program).
 
-
-def page_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int):
-    """[BN, P] f32 logits of one page for the block's rows (no context masking)."""
-    sc = jnp.dot(qb.q8, k8t, preferred_element_type=jnp.float32)                   # [BN*Hp, P]
-    sc = jnp.maximum(sc * kscale[None, :], 0.0)
-    sc = sc * qb.w[:, None]
-    return jnp.sum(sc.reshape(bn, hp, sc.shape[-1]), axis=1)                      # [BN, P]
-
-
-def score_page(cache_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col, enabled, *,
-               bn: int, hp: int, max_pages: int):
-    """Logits of page-table column `col` of request b for the block's rows.
-
-    Returns (logits [BN, P] f32 with -inf outside context or on an invalid page,
-    pools [P] i32 request-relative pool ids, live [BN, P] bool = pool < context).
-    Reads the cache only if `enabled` (scalar) and the page id is valid.
+    pages: [G] i32 page ids; ok: [G] bool (nothing of a page is read unless ok).
+    Returns (k8 [G*P, 128] e4m3fn, row g*P + r = row r of pages[g]; kscale [G*P] f32).
     """
-    pools = addr.table_pool(s, col, _iota((s.page_rows,), 0))                      # [P]
-    in_table = col < max_pages
-    page = B.load(table_ref.at[b, jnp.minimum(col, max_pages - 1)])
-    page_ok = enabled & in_table & addr.page_valid(s, page)
-    k8t, kscale = load_page(cache_ref, s, page, page_ok)
-    lg = page_logits(qb, k8t, kscale, bn=bn, hp=hp)
-    live = in_table & (pools[None, :] < qb.ctx[:, None])
-    return jnp.where(live & page_ok, lg, -jnp.inf), pools, live
+    g, p = pages.shape[0], s.page_rows
+    gp = g * p
+    page_r = jnp.broadcast_to(jnp.where(ok, pages, 0)[:, None], (g, p)).reshape(gp)   # [G*P]
+    ok_r = jnp.broadcast_to(ok[:, None], (g, p)).reshape(gp)
+    row_r = _iota((gp,), 0) % p
+    w = _iota((gp, addr.KEY_WORDS), 1)
+    # [G*P, 32]: neighbouring lanes read neighbouring words (coalesced 128-byte rows)
+    rr, cc = addr.split_word(s, addr.page_key_words(s, page_r, row_r)[:, None] + w)
+    words = B.gather(cache_ref, rr, cc, mask=ok_r[:, None] & (w >= 0), other=0)
+    rs, cs = addr.split_word(s, addr.page_scale_words(s, page_r, row_r))
+    sw = B.gather(cache_ref, rs, cs, mask=ok_r, other=0)
+    return unpack_fp8_words(words), lax.bitcast_convert_type(sw, jnp.float32)
+
+
+def pages_logits(qb: QueryBlock, k8, kscale, *, bn: int, hp: int):
+    """[BN, G*P] f32 logits of G pages for the block's rows (no context masking).
+
+    The dot is keys x queries^T, [G*P, 128] x [128, BN*Hp]: both operands K-major
+    (what Hopper's fp8 MMA takes) and the large side (G*P pools) on M.
+    """
+    sc = lax.dot_general(k8, qb.q8, (((1,), (1,)), ((), ())),
+                         preferred_element_type=jnp.float32)                      # [G*P, BN*Hp]
+    sc = jnp.maximum(sc * kscale[:, None], 0.0)
+    sc = sc * qb.w[None, :]
+    gp = sc.shape[0]
+    return jnp.sum(sc.reshape(gp, bn, hp), axis=2).T                               # [BN, G*P]
+
+
+def score_pages(cache_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col0, enabled, *,
+                n_pages: int, bn: int, hp: int, max_pages: int):
+    """Logits of page-table columns col0 .. col0 + n_pages - 1 of request b.
+
+    Returns (logits [BN, G*P] f32 with -inf outside context or on an invalid page,
+    pools [G*P] i32 request-relative pool ids, live [BN, G*P] bool = pool < context).
+    Reads the cache only if `enabled` (scalar) and a page id is valid.
+    """
+    g, p = n_pages, s.page_rows
+    cols = col0 + _iota((g,), 0)                                                   # [G]
+    in_table = cols < max_pages
+    pages = B.gather(table_ref, b + 0 * cols, jnp.minimum(cols, max_pages - 1))    # [G]
+    page_ok = enabled & in_table & addr.page_valid(s, pages)
+    k8, kscale = load_pages(cache_ref, s, pages, page_ok)
+    lg = pages_logits(qb, k8, kscale, bn=bn, hp=hp)                                # [BN, G*P]
+    pools = addr.table_pool(s, col0, _iota((g * p,), 0))                           # [G*P]
+    ok_r = jnp.broadcast_to((in_table & page_ok)[:, None], (g, p)).reshape(g * p)
+    live = (pools[None, :] < qb.ctx[:, None]) & (pools < max_pages * p)[None, :]
+    return jnp.where(live & ok_r[None, :], lg, -jnp.inf), pools, live
 
 
 def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, out_ref, *,
-            s: CacheStrides, n: int, hp: int, bn: int, max_pages: int):
+            s: CacheStrides, n: int, hp: int, bn: int, max_pages: int, tune: "Tuning"):
     # ctx_ref: [B*n] i32; table_ref: [B, max_pages] i32; q_ref: [B*n*Hp, 128] e4m3fn;
     # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32; out_ref: [B*n, max_pages*P] f32
     b, rb, g = B.program_id(0), B.program_id(1), B.program_id(2)
-    p = s.page_rows
+    p, gp = s.page_rows, tune.pages_per_step * s.page_rows
     qb = load_query_block(ctx_ref, q_ref, w_ref, b, rb * bn, n=n, hp=hp, bn=bn)
     need = (jnp.max(qb.ctx) + (p - 1)) // p                                        # columns in use
-    rows2 = qb.flat[:, None] + 0 * _iota((bn, p), 1)                               # [BN, P]
-    ok_rows = qb.row_ok[:, None] & (_iota((bn, p), 1) >= 0)
+    rows2 = qb.flat[:, None] + 0 * _iota((bn, gp), 1)                              # [BN, G*P]
+    ok_rows = qb.row_ok[:, None] & (_iota((bn, gp), 1) >= 0)
 
-    def page_step(j, carry):
-        col = g * PAGES_PER_PROGRAM + j
-        pools = addr.table_pool(s, col, _iota((bn, p), 1))                         # [BN, P]
-        store_ok = ok_rows & (col < max_pages)
+    def step(j, carry):
+        col0 = (g * tune.steps + j) * tune.pages_per_step
+        pools = addr.table_pool(s, col0, _iota((bn, gp), 1))                       # [BN, G*P]
+        store_ok = ok_rows & (pools < max_pages * p)
 
-        @B.when(col < need)
+        @B.when(col0 < need)
         def _score():
-            lg, _, _ = score_page(cache_ref, table_ref, s, qb, b, col, col < need,
-                                  bn=bn, hp=hp, max_pages=max_pages)
+            lg, _, _ = score_pages(cache_ref, table_ref, s, qb, b, col0, col0 < need,
+                                   n_pages=tune.pages_per_step, bn=bn, hp=hp, max_pages=max_pages)
             B.scatter(out_ref, rows2, pools, lg, store_ok)
 
-        @B.when(col >= need)
+        @B.when(col0 >= need)
         def _empty():
-            B.scatter(out_ref, rows2, pools, jnp.full((bn, p), -jnp.inf, jnp.float32), store_ok)
+            B.scatter(out_ref, rows2, pools, jnp.full((bn, gp), -jnp.inf, jnp.float32), store_ok)
 
         return carry
 
-    lax.fori_loop(0, PAGES_PER_PROGRAM, page_step, 0)
+    lax.fori_loop(0, tune.steps, step, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("s", "interpret"))
-def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, *, interpret=None):
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch shape of the logits kernel: a program walks `steps` steps of
+    `pages_per_step` page-table columns each (all pages of a step are gathered at
+    once). Chosen by ``benchmarks/bench_read.py --sweep`` on the H200."""
+    pages_per_step: int = PAGES_PER_STEP
+    steps: int = STEPS
+    num_warps: int = NUM_WARPS
+
+    def __post_init__(self):
+        if self.pages_per_step not in (1, 2, 4, 8, 16) or self.steps < 1 or self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"bad paged_logits tuning {self}")
+
+
+@functools.partial(jax.jit, static_argnames=("s", "interpret", "tune"))
+def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, *, interpret=None,
+                 tune: Tuning = Tuning()):
     """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32;
     page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
     Returns [B, n, max_pages * page_rows] f32."""
@@ -189,12 +220,13 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
         return jnp.full((b, n, m), -jnp.inf, jnp.float32)
     bn = rows_per_block(n, hp)
     view = cache.reshape(addr.view_shape(s))
+    per_program = tune.pages_per_step * tune.steps
     out = B.pallas_call(
-        functools.partial(_kernel, s=s, n=n, hp=hp, bn=bn, max_pages=max_pages),
-        grid=(b, -(-n // bn), -(-max_pages // PAGES_PER_PROGRAM)),
+        functools.partial(_kernel, s=s, n=n, hp=hp, bn=bn, max_pages=max_pages, tune=tune),
+        grid=(b, -(-n // bn), -(-max_pages // per_program)),
         out_shape=jax.ShapeDtypeStruct((b * n, m), jnp.float32),
         input_output_aliases={},
-        interpret=interpret, name="kpool_paged_logits", num_warps=4,
+        interpret=interpret, name="kpool_paged_logits", num_warps=tune.num_warps,
     )(context_pools.astype(jnp.int32).reshape(b * n), page_table_pages.astype(jnp.int32),
       q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp), view)
     return out.reshape(b, n, m)

@@ -16,7 +16,7 @@ Grid: (B, ceil(n / BN), splits). A program holds BN query rows of one request
 (their BN*Hp query rows are the M side of each fp8 dot, so the next_n rows of a
 decode request share every page read) and one contiguous range of page-table
 columns. For each page (ids ascending) it computes the [BN, P] logits exactly as
-paged_logits does (``paged_logits.score_page``) and feeds them to the streaming
+paged_logits does (``paged_logits.score_pages``, one page per chunk) and feeds them to the streaming
 selection of topk.py: a candidate is buffered only if it beats the row's current
 k-th best; the buffer is compacted (exact radix threshold search) when it could
 overflow. With one split the program sorts its k survivors and writes the ids;
@@ -41,7 +41,7 @@ from . import _backend as B
 from . import addressing as addr
 from . import numerics as nm
 from . import topk as tk
-from .paged_logits import check_geometry, load_query_block, rows_per_block, score_page
+from .paged_logits import check_geometry, load_query_block, rows_per_block, score_pages
 from .strides import CacheStrides
 
 MAX_ROWS_PER_CALL = 8192
@@ -63,8 +63,8 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, res_ref, kbuf, ibuf, *,
     brow = rows.padded * splits + sp
 
     def produce(c, active):
-        lg, pools, live = score_page(cache_ref, table_ref, s, qb, b, lo + c, active,
-                                     bn=bn, hp=hp, max_pages=max_pages)           # [BN, P]
+        lg, pools, live = score_pages(cache_ref, table_ref, s, qb, b, lo + c, active, n_pages=1,
+                                      bn=bn, hp=hp, max_pages=max_pages)          # [BN, P]
         ids = pools[None, :] + 0 * live.astype(jnp.int32)
         return tk.order_key(lg), ids, live & active & rows.ok[:, None]
 

@@ -104,6 +104,15 @@ class State:
         return (jnp.zeros((bn,), jnp.int32), jnp.zeros((bn,), jnp.uint32), jnp.zeros((bn,), jnp.int32))
 
 
+def prefilter_state(bn: int, floor):
+    """Initial state whose filter admits exactly the keys >= floor [BN] u32 (0: admit
+    all). Valid when at least k of the row's keys are >= floor, so that no key of
+    the top k is ever filtered out (``bucket_floor`` guarantees it)."""
+    cnt, _, _ = State.init(bn)
+    on = floor > 0
+    return cnt, jnp.where(on, floor - 1, 0).astype(jnp.uint32), on.astype(jnp.int32)
+
+
 def kth_key(key, live, k: int):
     """[BN] u32: the k-th largest key among `live` entries of key [BN, C]; 0 if fewer than k.
 
@@ -164,9 +173,10 @@ def compact(g: Geometry, kbuf, ibuf, brow, st, interpret: bool):
     return new, thr, (new >= g.k).astype(jnp.int32)
 
 
-def stream(g: Geometry, kbuf, ibuf, brow, n_chunks, produce, interpret: bool):
+def stream(g: Geometry, kbuf, ibuf, brow, n_chunks, produce, interpret: bool, init=None):
     """Feed chunks 0 .. n_chunks-1 (traced count) through the filter; return the state
-    after a final compaction (<= k survivors per row, id order).
+    after a final compaction (<= k survivors per row, id order). `init` (default:
+    empty, no threshold) may carry a pre-filter threshold (``prefilter_state``).
 
     The loop runs one extra, empty step whose compaction limit is k: that is the
     final compaction (one traced copy of the compaction code, not two).
@@ -182,7 +192,7 @@ def stream(g: Geometry, kbuf, ibuf, brow, n_chunks, produce, interpret: bool):
                         lambda s_: compact(g, kbuf, ibuf, brow, s_, interpret),
                         lambda s_: s_, st)
 
-    return lax.fori_loop(0, n_chunks + 1, body, State.init(g.bn))
+    return lax.fori_loop(0, n_chunks + 1, body, State.init(g.bn) if init is None else init)
 
 
 def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, interpret: bool):
@@ -238,18 +248,20 @@ def buffer_shapes(g: Geometry, n_buf_rows: int):
 
 def _kernel(*refs, g: Geometry, source: str, n: int, row_blocks: int, splits: int,
             n_cols: int, split_cols: int, in_splits: int, final: bool, interpret: bool):
-    # source "scores":     len_ref [B*n] i32, x_ref [B*n, n_cols] f32
+    # source "scores":     len_ref [B*n] i32, floor_ref [B*n] u32, x_ref [B*n, n_cols] f32
     # source "candidates": cin_ref [B*n_pad*in_splits] i32, kin_ref/iin_ref [.., CAP_in]
     # outputs: (out [B*n, k] i32 if final else cnt [n_buf] i32), kbuf [n_buf, CAP] u32,
     #          ibuf [n_buf, CAP] i32
-    n_in = 2 if source == "scores" else 3
+    n_in = 3
     ins, (res_ref, kbuf, ibuf) = refs[:n_in], refs[n_in:]
     b, rb, sp = B.program_id(0), B.program_id(1), B.program_id(2)
     rows = Rows(b, rb, n=n, bn=g.bn, row_blocks=row_blocks)
     brow = rows.padded * splits + sp
+    init = None
     if source == "scores":
-        len_ref, x_ref = ins
+        len_ref, floor_ref, x_ref = ins
         length = jnp.where(rows.ok, B.load(len_ref.at[rows.flat], mask=rows.ok, other=0), 0)
+        init = prefilter_state(g.bn, B.load(floor_ref.at[rows.flat], mask=rows.ok, other=0))
         lo = sp * split_cols
         hi = jnp.minimum(jnp.minimum(lo + split_cols, n_cols), jnp.max(length))
         n_chunks = jnp.maximum(hi - lo + g.ch - 1, 0) // g.ch
@@ -273,11 +285,11 @@ def _kernel(*refs, g: Geometry, source: str, n: int, row_blocks: int, splits: in
             return (B.gather(kin_ref, r2, cols, mask=valid, other=0),
                     B.gather(iin_ref, r2, cols, mask=valid, other=0), valid)
 
-    st = stream(g, kbuf, ibuf, brow, n_chunks, produce, interpret)
+    st = stream(g, kbuf, ibuf, brow, n_chunks, produce, interpret, init)
     finish(g, st, kbuf, ibuf, brow, rows, (res_ref,), final=final, interpret=interpret)
 
 
-def _call(g: Geometry, inputs, *, source, b, n, splits, final, interpret, name, **static):
+def _call(g: Geometry, inputs, *, source, b, n, splits, final, interpret, name, num_warps=4, **static):
     row_blocks = -(-n // g.bn)
     n_buf = b * row_blocks * g.bn * splits
     res = (jax.ShapeDtypeStruct((b * n, g.k), jnp.int32) if final
@@ -288,7 +300,7 @@ def _call(g: Geometry, inputs, *, source, b, n, splits, final, interpret, name, 
     return B.pallas_call(
         kern, grid=(b, row_blocks, splits),
         out_shape=(res,) + buffer_shapes(g, n_buf),
-        input_output_aliases={}, interpret=interpret, name=name, num_warps=4,
+        input_output_aliases={}, interpret=interpret, name=name, num_warps=num_warps,
     )(*inputs)
 
 
@@ -302,17 +314,55 @@ def merge_candidates(cnt, kbuf, ibuf, k: int, *, b: int, n: int, bn: int, in_spl
     return out
 
 
-def choose_splits(programs: int, n_cands: int, k: int, splits=None) -> int:
+def choose_splits(programs: int, n_cands: int, k: int, splits=None, target=TARGET_PROGRAMS) -> int:
     """How many programs share one row's candidates: enough programs for the GPU,
     but each split at least MIN_SPLIT_FACTOR * KP candidates (survivors <= 1/8)."""
     if splits is not None:
         return max(1, int(splits))
     by_size = max(1, n_cands // (MIN_SPLIT_FACTOR * next_pow2(k)))
-    return max(1, min(-(-TARGET_PROGRAMS // max(programs, 1)), by_size))
+    return max(1, min(-(-target // max(programs, 1)), by_size))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "splits", "interpret"))
-def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None):
+def bucket_floor(scores, lengths, k: int, buckets: int):
+    """[rows] u32 key floor with at least k valid keys >= it (0: no useful floor).
+
+    The row's valid keys are cut into `buckets` equal runs; the k-th largest of the
+    runs' maxima is such a floor (k different runs each hold a key >= it). It is a
+    cheap XLA pass (one read of the scores, a sort of [rows, buckets]); on random
+    scores only ~1.2 k keys per row pass it, so the streaming filter rarely
+    appends and almost never compacts. Ties and adversarial rows stay exact: the
+    floor only ever admits more keys than the top k.
+    """
+    rows, n = scores.shape
+    if buckets < k or n < 2 * buckets:
+        return jnp.zeros((rows,), jnp.uint32)
+    run = -(-n // buckets)
+    valid = jnp.arange(n, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
+    key = jnp.where(valid, order_key(scores), jnp.uint32(0))                       # [rows, n]
+    key = jnp.pad(key, ((0, 0), (0, run * buckets - n)))
+    top = jnp.max(key.reshape(rows, buckets, run), axis=2)                         # [rows, M]
+    return lax.sort(top, dimension=1)[:, buckets - k]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch shape of ``topk_pools`` (chosen by ``benchmarks/bench_read.py --sweep``).
+
+    score_chunk: scores per streaming step; target_programs: how many programs the
+    row splits aim for; buckets_per_k: runs of the pre-filter per selected id
+    (0 = no pre-filter)."""
+    score_chunk: int = SCORE_CHUNK
+    target_programs: int = TARGET_PROGRAMS
+    buckets_per_k: int = 4
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.score_chunk & (self.score_chunk - 1) or self.score_chunk < 16 or self.buckets_per_k < 0:
+            raise ValueError(f"bad topk tuning {self}")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "splits", "interpret", "tune"))
+def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tuning = Tuning()):
     """scores: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid).
     Returns [rows, k] i32: best ids by (score desc, id asc), -1 padded."""
     rows, n_cols = scores.shape
@@ -320,15 +370,17 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None):
         return jnp.zeros((0, k), jnp.int32)
     if n_cols == 0:
         return jnp.full((rows, k), -1, jnp.int32)
-    g = Geometry(k=k, bn=1, ch=min(SCORE_CHUNK, next_pow2(n_cols)))
-    sp = choose_splits(rows, n_cols, k, splits)
+    scores, lengths = scores.astype(jnp.float32), lengths.astype(jnp.int32)
+    g = Geometry(k=k, bn=1, ch=min(tune.score_chunk, next_pow2(n_cols)))
+    sp = choose_splits(rows, n_cols, k, splits, tune.target_programs)
     split_cols = -(-(-(-n_cols // sp)) // g.ch) * g.ch               # per split, whole chunks
     sp = -(-n_cols // split_cols)
     final = sp == 1
-    res, kbuf, ibuf = _call(g, (lengths.astype(jnp.int32), scores.astype(jnp.float32)),
+    floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
+    res, kbuf, ibuf = _call(g, (lengths, floor, scores),
                             source="scores", b=1, n=rows, splits=sp, final=final,
                             interpret=interpret, name="kpool_topk", n_cols=n_cols,
-                            split_cols=split_cols, in_splits=0)
+                            split_cols=split_cols, in_splits=0, num_warps=tune.num_warps)
     if final:
         return res
     return merge_candidates(res, kbuf, ibuf, k, b=1, n=rows, bn=1, in_splits=sp, interpret=interpret)

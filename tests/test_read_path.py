@@ -244,6 +244,27 @@ def test_topk_pools_exact_ties_and_short_rows(rng, splits):
     assert (got[3] == -1).all() and (got[1, 9:] == -1).all() and got[1, 8] == 5   # NaN last of 9
 
 
+@pytest.mark.parametrize("tune", ["no-prefilter", "prefilter", "small-chunks"])
+def test_topk_pools_tunings_are_exact(rng, tune):
+    """Every launch shape of the sweep selects the same ids; the pre-filter floor
+    admits at least k keys of each row (so it can never drop a top-k id)."""
+    from pallas_kernels import topk as tk
+    t = {"no-prefilter": tk.Tuning(buckets_per_k=0), "prefilter": tk.Tuning(buckets_per_k=4),
+         "small-chunks": tk.Tuning(score_chunk=64, target_programs=16, buckets_per_k=2)}[tune]
+    rows, n, k = 5, 2000, 24
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[1] = rng.integers(-2, 3, size=n)                               # ties across the floor
+    x[2, : n // 2] = 7.0                                             # one run holds every top id
+    lengths = np.array([n, n, n, 30, n - 333], np.int32)
+    floor = np.asarray(tk.bucket_floor(jnp.asarray(x), jnp.asarray(lengths), k, 4 * k))
+    keys = np.asarray(ref.order_key(jnp.asarray(x)))
+    live = np.arange(n)[None, :] < lengths[:, None]
+    assert (((keys >= floor[:, None]) & live).sum(axis=1) >= np.minimum(k, lengths)).all()
+    assert floor[0] > 0 and floor[3] == 0                            # short row: no floor
+    got = np.asarray(tk.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k, tune=t))
+    np.testing.assert_array_equal(got, np_topk(x, lengths, k))
+
+
 def test_topk_pools_more_k_than_pools(rng):
     x = rng.standard_normal((3, 7)).astype(np.float32)
     lengths = np.array([7, 3, 100], np.int32)
