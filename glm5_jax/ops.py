@@ -83,11 +83,16 @@ def _strides(layout, layer, fault):
     return layout.strides(layer, fault=fault)
 
 
-def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *,
+def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, request_ends=None,
               implementation=None, interpret=None, fault=None):
     """Seed each request's tail ring with its last kpool tokens of the batch (spec 5.3).
 
     key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots (-1 = padding).
+    request_ends: optional [N] int32, one past the last row of each request in the
+    batch (vLLM's query_start_loc[1:]; <= 0 marks a padding entry). It changes no
+    byte written; it lets the kernel visit only each request's last kpool rows, so
+    the cost no longer grows with the prompt length. Each request's rows must be
+    contiguous and end at its entry.
     """
     op = "seed_tail"
     _check_cache(op, cache, layout)
@@ -95,11 +100,18 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *,
     _check(op, "key", key, (t, 128), _BF16)
     _check(op, "gate", gate, (t, 128), _BF16)
     _check(op, "tslot", tslot, (t,), _INT)
+    if request_ends is not None:
+        _check(op, "request_ends", request_ends, (request_ends.shape[0],), _INT)
+        if _concrete(request_ends):
+            import numpy as np
+            e = np.asarray(request_ends)
+            if (e > t).any():
+                raise ValueError(f"{op}: request_ends must be <= the batch's {t} rows, got max {e.max()}")
     s = _strides(layout, layer, fault)
     if _impl(op, implementation) == "xla":
         return ref.seed_tail_strides(cache, s, key, gate, tslot)
     from pallas_kernels.tail_seed import seed_tail as kernel
-    return kernel(cache, s, key, gate, tslot, interpret=interpret)
+    return kernel(cache, s, key, gate, tslot, request_ends, interpret=interpret)
 
 
 def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, *,

@@ -5,10 +5,13 @@ last kpool tokens of the batch, the 2 x 256 bytes of ring row ``tslot % ring`` o
 tail block ``tslot // ring`` (K half and gate half), which alias the start of
 indexer block ``tslot // ring`` of this layer. Nothing else.
 
-Grid: one program per tile of TILE_TOKENS tokens. The tail slots of the tile and
-of the tokens kpool rows ahead decide which rows are seeded; only those rows are
-loaded and stored (masked lanes touch no memory), so the cost is 4 bytes per
-prompt token plus 512 bytes per seeded token.
+Grid: one program per tile of TILE_TOKENS candidate rows. Candidates are every
+row of the batch, or, when the caller passes ``request_ends`` (one past each
+request's last row), only the last kpool rows of each request: then the grid
+and the cost depend on the number of requests, not on the prompt length. Either
+way the tail slots of a candidate and of the row kpool ahead decide whether it
+is seeded (the reference's rule), and only seeded rows are loaded and stored
+(masked lanes touch no memory): 512 bytes read and written per seeded row.
 """
 from __future__ import annotations
 
@@ -26,11 +29,20 @@ from .strides import CacheStrides
 TILE_TOKENS = 64
 
 
-def _kernel(tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: CacheStrides, t_total: int):
-    # tslot_ref: [T] i32; key_ref, gate_ref: [T, 128] bf16; cache_ref: [rows, 1024] u32
+def _kernel(ends_ref, tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: CacheStrides,
+            t_total: int, n_ends: int):
+    # ends_ref: [N] i32 (unused when n_ends == 0); tslot_ref: [T] i32;
+    # key_ref, gate_ref: [T, 128] bf16; cache_ref: [rows, 1024] u32
     p = B.program_id(0)
-    i = p * TILE_TOKENS + lax.broadcasted_iota(jnp.int32, (TILE_TOKENS,), 0)      # [TILE]
-    in_range = i < t_total
+    c = p * TILE_TOKENS + lax.broadcasted_iota(jnp.int32, (TILE_TOKENS,), 0)      # [TILE] candidate
+    if n_ends:                                   # candidate c: row end - R + c % R of request c // R
+        req = c // s.kpool
+        end = B.load(ends_ref.at[jnp.minimum(req, n_ends - 1)], mask=req < n_ends, other=0)
+        i = jnp.where(end > 0, end - s.kpool + c % s.kpool, -1)
+    else:
+        i = c
+    in_range = (i >= 0) & (i < t_total)
+    i = jnp.maximum(i, 0)
     ts = B.load(tslot_ref.at[jnp.minimum(i, t_total - 1)], mask=in_range, other=-1)       # [TILE]
     j = i + s.kpool
     ahead = B.load(tslot_ref.at[jnp.minimum(j, t_total - 1)], mask=j < t_total, other=-1)  # [TILE]
@@ -44,24 +56,33 @@ def _kernel(tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: CacheStrid
     m2 = seeded[:, None] & (w >= 0)
     for half, src in ((0, key_ref), (1, gate_ref)):
         row = B.gather(src, rows, col, mask=seeded[:, None] & (col >= 0))           # [TILE, 128] bf16
-        r, c = addr.split_word(s, addr.tail_row_words(s, blk, ring_slot, half)[:, None] + w)
-        B.scatter(cache_ref, r, c, nm.pack_bf16_words(row), m2)
+        wr, wc = addr.split_word(s, addr.tail_row_words(s, blk, ring_slot, half)[:, None] + w)
+        B.scatter(cache_ref, wr, wc, nm.pack_bf16_words(row), m2)
 
 
 @functools.partial(jax.jit, static_argnames=("s", "interpret"))
-def seed_tail(cache, s: CacheStrides, key, gate, tslot, *, interpret=None):
-    """cache: [total_words] u32; key, gate: [T, 128] bf16; tslot: [T] i32. Returns the new cache."""
+def seed_tail(cache, s: CacheStrides, key, gate, tslot, request_ends=None, *, interpret=None):
+    """cache: [total_words] u32; key, gate: [T, 128] bf16; tslot: [T] i32;
+    request_ends: optional [N] i32, one past each request's last row (<= 0: none).
+    Returns the new cache."""
     t = key.shape[0]
     if t == 0:
         return cache
+    if request_ends is None:
+        ends, n_ends, cands = jnp.zeros((1,), jnp.int32), 0, t
+    else:
+        ends, n_ends = request_ends.astype(jnp.int32), request_ends.shape[0]
+        cands = n_ends * s.kpool
+        if n_ends == 0:
+            return cache
     view = cache.reshape(addr.view_shape(s))
     out = B.pallas_call(
-        functools.partial(_kernel, s=s, t_total=t),
-        grid=(pl_cdiv(t, TILE_TOKENS),),
+        functools.partial(_kernel, s=s, t_total=t, n_ends=n_ends),
+        grid=(pl_cdiv(cands, TILE_TOKENS),),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
-        input_output_aliases={3: 0},
+        input_output_aliases={4: 0},
         interpret=interpret, name="kpool_seed_tail", num_warps=4,
-    )(tslot.astype(jnp.int32), key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), view)
+    )(ends, tslot.astype(jnp.int32), key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), view)
     return out.reshape(-1)
 
 

@@ -1,0 +1,46 @@
+"""The seed kernel's request-ends mode (cost independent of the prompt length)
+writes exactly the bytes of the tslot-only rule, on sentinel-filled caches."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import ops
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+from glm5_jax.testing import Scenario
+
+SENTINEL = 0x5A
+
+
+@pytest.mark.parametrize("kpool", [4, 16])
+def test_seed_with_request_ends_matches_reference(rng, kpool):
+    cfg = IndexerConfig(kpool=kpool, block_size=512 if kpool == 4 else 2048)
+    layout = CacheLayout(cfg, num_layers=2, num_blocks=14)
+    # a long request, requests shorter than kpool (their last-kpool window reaches into
+    # the previous request), one that ends exactly on a pool boundary
+    lengths = [int(rng.integers(3 * kpool, 5 * kpool)), int(rng.integers(1, kpool)), 1, 2 * kpool,
+               int(rng.integers(1, 3 * kpool))]
+    sc = Scenario.random(rng, layout, lengths, layer=1)
+    pad = int(rng.integers(0, 6))
+    pre = sc.prefill(lengths, pad_to=sum(lengths) + pad)
+    ends = np.cumsum(lengths).astype(np.int32)
+    ends = np.concatenate([ends, np.array([0, -1], np.int32)])          # padding entries
+    args = [jnp.asarray(pre[k]) for k in ("key", "gate", "tslot")]
+    want = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 1, *args,
+                                    implementation="xla")).view(np.uint8)
+    assert (want != SENTINEL).any()
+    for impl in ("pallas", "xla"):
+        got = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 1, *args,
+                                       request_ends=jnp.asarray(ends), implementation=impl)).view(np.uint8)
+        diff = np.nonzero(got != want)[0]
+        assert diff.size == 0, f"{impl}: {diff.size} bytes differ, first at {diff[:1]}"
+
+
+def test_seed_request_ends_past_the_batch_is_rejected(rng):
+    layout = CacheLayout(IndexerConfig(block_size=512), num_layers=1, num_blocks=4)
+    key = jnp.zeros((8, 128), jnp.bfloat16)
+    cache = layout.allocate(SENTINEL)
+    with pytest.raises(ValueError, match="request_ends must be <="):
+        ops.seed_tail(cache, layout, 0, key, key, jnp.zeros((8,), jnp.int32),
+                      request_ends=jnp.asarray([4, 9], jnp.int32), implementation="pallas")
+    assert (np.asarray(cache).view(np.uint8) == SENTINEL).all()
