@@ -74,6 +74,12 @@ def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool, positions=None)
         if valid.sum() > sm.size // c.kpool:
             raise ValueError(f"{op}: slot_mapping completes {int(valid.sum())} pools in {sm.size} rows; "
                              f"at most {sm.size // c.kpool} are possible (each pool owns kpool rows)")
+        rows = np.nonzero(valid)[0]
+        close = np.nonzero(np.diff(rows) < c.kpool)[0]
+        if close.size:
+            i = int(close[0])
+            raise ValueError(f"{op}: slot_mapping completes pools at rows {rows[i]} and {rows[i + 1]}, "
+                             f"closer than kpool = {c.kpool} (each pool owns its kpool rows)")
     v = sm[valid]
     if np.unique(v).size != v.size:
         raise ValueError(f"{op}: slot_mapping writes the same pool slot twice in one batch")

@@ -4,13 +4,15 @@ Touches ONLY: for every token row i with i >= kpool-1 and a valid pool slot
 ``loc = slot_mapping[i]``, the 128 key bytes and the 4 scale bytes of pool slot
 ``loc`` in this layer's indexer pages. Nothing else (no tail bytes).
 
-The wrapper first lists the pool-completing rows (a cheap XLA pass over the
-[T] slot mapping). A batch completes at most T // kpool pools: each completion
-owns the kpool rows i-kpool+1 .. i of its request, since chunks start on pool
-boundaries (``glm5_jax.ops`` rejects concrete slot mappings that claim more).
-Grid: one program per TILE_POOLS completing rows; each gathers its kpool member
-rows, pools them with the gated softmax, rotates, quantises, packs the fp8 bytes
-into words and stores the 132-byte record. No work is spent on the other rows.
+Grid: one program per tile of TILE_POOLS * kpool rows. Pool-completing rows are
+at least kpool apart (each owns the kpool rows i-kpool+1 .. i of its request,
+since chunks start on pool boundaries; ``glm5_jax.ops`` rejects concrete slot
+mappings that break this), so a tile holds at most TILE_POOLS of them. The
+program loads the tile's slots, ranks its completing rows with a cumsum and
+gives the j-th to lane j; each lane gathers its kpool member rows, pools them
+with the gated softmax, rotates, quantises, packs the fp8 bytes into words and
+stores the 132-byte record. No pass over the batch runs outside the kernel and
+no work is spent on lanes without a completion.
 """
 from __future__ import annotations
 
@@ -26,20 +28,29 @@ from . import numerics as nm
 from .strides import CacheStrides
 
 TILE_POOLS = 8
+NUM_WARPS = 4
 
 
-def _kernel(rows_ref, slot_ref, key_ref, gate_ref, ape_ref, _cache_in, cache_ref, *,
-            s: CacheStrides, n_rows: int):
-    # rows_ref: [n_rows] i32 completing rows (-1 = none); slot_ref: [T] i32;
-    # key_ref, gate_ref: [T, 128] bf16; ape_ref: [R, 128] f32; cache_ref: [rows, 1024] u32
+def _kernel(slot_ref, key_ref, gate_ref, ape_ref, _cache_in, cache_ref, *,
+            s: CacheStrides, t_total: int, tile_pools: int):
+    # slot_ref: [T] i32; key_ref, gate_ref: [T, 128] bf16; ape_ref: [R, 128] f32;
+    # cache_ref: [rows, 1024] u32
     r = s.kpool
+    w_rows = tile_pools * r
     p = B.program_id(0)
-    k = p * TILE_POOLS + lax.broadcasted_iota(jnp.int32, (TILE_POOLS,), 0)           # [TILE]
-    row = B.load(rows_ref.at[jnp.minimum(k, n_rows - 1)], mask=k < n_rows, other=-1)
+    i = p * w_rows + lax.broadcasted_iota(jnp.int32, (w_rows,), 0)                   # [W] rows
+    in_range = i < t_total
+    sl = B.load(slot_ref.at[jnp.minimum(i, t_total - 1)], mask=in_range, other=-1)    # [W]
+    done = in_range & (i >= r - 1) & addr.pool_slot_valid(s, sl)                    # completes a pool
+    di = done.astype(jnp.int32)
+    rank = jnp.cumsum(di) - di                                                        # [W]
+    lane = lax.broadcasted_iota(jnp.int32, (tile_pools, w_rows), 0)                  # [TILE, W]
+    hit = done[None, :] & (rank[None, :] == lane)
+    row = jnp.max(jnp.where(hit, i[None, :], -1), axis=1)                             # [TILE]
     valid = row >= 0
+    loc = jnp.max(jnp.where(hit, sl[None, :], 0), axis=1)                             # [TILE]
     row = jnp.maximum(row, r - 1)
-    loc = jnp.where(valid, slot_ref[row], 0)                                          # [TILE]
-    col = lax.broadcasted_iota(jnp.int32, (TILE_POOLS, nm.HEAD_DIM), 1)               # [TILE, 128]
+    col = lax.broadcasted_iota(jnp.int32, (tile_pools, nm.HEAD_DIM), 1)              # [TILE, 128]
     m2 = valid[:, None] & (col >= 0)
     keys, gates, apes = [], [], []
     for j in range(r):
@@ -48,37 +59,31 @@ def _kernel(rows_ref, slot_ref, key_ref, gate_ref, ape_ref, _cache_in, cache_ref
         gates.append(B.gather(gate_ref, member, col, mask=m2))
         apes.append(ape_ref[j, :])                                                    # [128] f32
     q8, scale = nm.compress_pool(keys, gates, apes)                                   # [TILE,128], [TILE]
-    w = lax.broadcasted_iota(jnp.int32, (TILE_POOLS, addr.KEY_WORDS), 1)            # [TILE, 32]
+    w = lax.broadcasted_iota(jnp.int32, (tile_pools, addr.KEY_WORDS), 1)            # [TILE, 32]
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc)[:, None] + w)
     B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), valid[:, None] & (w >= 0))
     rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))
     B.scatter(cache_ref, rs, cs, nm.f32_word(scale), valid)
 
 
-def completing_rows(s: CacheStrides, slot_mapping):
-    """[T // kpool] i32: the rows that complete a pool (valid slot, i >= kpool-1), -1 padded."""
-    t = slot_mapping.shape[0]
-    i = jnp.arange(t, dtype=jnp.int32)
-    valid = addr.pool_slot_valid(s, slot_mapping) & (i >= s.kpool - 1)
-    return jnp.nonzero(valid, size=t // s.kpool, fill_value=-1)[0].astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("s", "interpret"))
-def compress_prefill(cache, s: CacheStrides, key, gate, ape, slot_mapping, *, interpret=None):
-    """cache: [total_words] u32; key, gate: [T, 128] bf16; ape: [R, 128] f32; slot_mapping: [T] i32."""
+@functools.partial(jax.jit, static_argnames=("s", "interpret", "tile_pools", "num_warps"))
+def compress_prefill(cache, s: CacheStrides, key, gate, ape, slot_mapping, *, interpret=None,
+                     tile_pools: int = TILE_POOLS, num_warps: int = NUM_WARPS):
+    """cache: [total_words] u32; key, gate: [T, 128] bf16; ape: [R, 128] f32; slot_mapping: [T] i32.
+    tile_pools (a power of two), num_warps: launch shape (``benchmarks/bench_writes.py --sweep``)."""
     t = key.shape[0]
     if t < s.kpool:
         return cache                       # no row can own a whole pool
-    slot_mapping = slot_mapping.astype(jnp.int32)
-    rows = completing_rows(s, slot_mapping)
-    n_rows = rows.shape[0]
+    if tile_pools & (tile_pools - 1):
+        raise ValueError(f"tile_pools must be a power of two, got {tile_pools}")
     view = cache.reshape(addr.view_shape(s))
+    w_rows = tile_pools * s.kpool
     out = B.pallas_call(
-        functools.partial(_kernel, s=s, n_rows=n_rows),
-        grid=(-(-n_rows // TILE_POOLS),),
+        functools.partial(_kernel, s=s, t_total=t, tile_pools=tile_pools),
+        grid=(-(-t // w_rows),),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
-        input_output_aliases={5: 0},
-        interpret=interpret, name="kpool_compress_prefill", num_warps=4,
-    )(rows, slot_mapping, key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16),
+        input_output_aliases={4: 0},
+        interpret=interpret, name="kpool_compress_prefill", num_warps=num_warps,
+    )(slot_mapping.astype(jnp.int32), key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16),
       ape.astype(jnp.float32), view)
     return out.reshape(-1)

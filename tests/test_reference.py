@@ -455,6 +455,7 @@ def _bad_calls(layout, a):
     S, C, D = ops.seed_tail, ops.compress_prefill, ops.decode_update
     dup_flat = jnp.asarray(np.array([-1, -1, -1, 9, -1, -1, -1, 9], np.int32))
     too_many = jnp.asarray(np.array([-1, -1, -1, 9, 10, 11, -1, 12], np.int32))
+    too_close = jnp.asarray(np.array([-1, -1, -1, 9, -1, 10, -1, -1], np.int32))
     dup_dec = jnp.asarray(np.array([[-1, -1, 3], [-1, 3, -1]], np.int32))
     x = dict(implementation="xla")
     return [
@@ -491,6 +492,8 @@ def _bad_calls(layout, a):
          r"compress_prefill: slot_mapping writes the same pool slot twice"),
         ("compress too many", lambda c: C(c, layout, 0, a["key"], a["gate"], a["ape"], too_many, **x),
          r"compress_prefill: slot_mapping completes 4 pools in 8 rows; at most 2"),
+        ("compress too close", lambda c: C(c, layout, 0, a["key"], a["gate"], a["ape"], too_close, **x),
+         r"compress_prefill: slot_mapping completes pools at rows 3 and 5, closer than kpool = 4"),
         ("decode key [B,n,64]", lambda c: D(c, layout, 0, a["dkey"][..., :64], a["dgate"], a["ape"],
                                             a["dslot"], a["dtslot"], a["dpos"], **x),
          r"decode_update: key must have shape \(2, 3, 128\)"),

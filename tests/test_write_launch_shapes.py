@@ -1,5 +1,7 @@
-"""The seed kernel's request-ends mode (cost independent of the prompt length)
-writes exactly the bytes of the tslot-only rule, on sentinel-filled caches."""
+"""Launch shapes of the write kernels write exactly the reference's bytes, on
+sentinel-filled caches: the seed kernel's request-ends mode (cost independent of
+the prompt length) and the compression kernel's tile sizes (completions ranked
+inside the kernel, tiles cutting through pools and requests)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,3 +46,20 @@ def test_seed_request_ends_past_the_batch_is_rejected(rng):
         ops.seed_tail(cache, layout, 0, key, key, jnp.zeros((8,), jnp.int32),
                       request_ends=jnp.asarray([4, 9], jnp.int32), implementation="pallas")
     assert (np.asarray(cache).view(np.uint8) == SENTINEL).all()
+
+
+@pytest.mark.parametrize("tile_pools, num_warps", [(1, 1), (16, 8)])
+def test_compress_tile_shapes_match_reference(rng, tile_pools, num_warps):
+    from pallas_kernels.pool_compress import compress_prefill as kernel
+    cfg = IndexerConfig(block_size=512)
+    layout = CacheLayout(cfg, num_layers=1, num_blocks=12)
+    lengths = [int(x) for x in rng.integers(1, 40, size=4)]          # pools straddle every tile size
+    sc = Scenario.random(rng, layout, lengths)
+    pre = sc.prefill(lengths, pad_to=sum(lengths) + int(rng.integers(0, 9)))
+    args = [jnp.asarray(pre[k]) for k in ("key", "gate")] + [jnp.asarray(sc.ape), jnp.asarray(pre["slot_mapping"])]
+    want = np.asarray(ops.compress_prefill(layout.allocate(SENTINEL), layout, 0, *args,
+                                           implementation="xla")).view(np.uint8)
+    got = np.asarray(kernel(layout.allocate(SENTINEL), layout.strides(0), *args,
+                            tile_pools=tile_pools, num_warps=num_warps)).view(np.uint8)
+    assert (want != SENTINEL).any()
+    np.testing.assert_array_equal(got, want)
