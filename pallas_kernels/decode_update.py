@@ -78,11 +78,15 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, _cache_in,
     lax.fori_loop(0, n, token, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("s", "interpret"))
+NUM_WARPS = 1
+
+
+@functools.partial(jax.jit, static_argnames=("s", "interpret", "num_warps"))
 def decode_update(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, positions, *,
-                  interpret=None):
+                  interpret=None, num_warps: int = NUM_WARPS):
     """cache: [total_words] u32; key, gate: [B, n, 128] bf16; ape [R, 128] f32;
-    slot_mapping, tslot, positions: [B, n] i32. Returns the new cache."""
+    slot_mapping, tslot, positions: [B, n] i32. Returns the new cache.
+    num_warps: launch shape (``benchmarks/tune_writes.py``)."""
     b, n = positions.shape
     if b == 0 or n == 0:
         return cache
@@ -93,7 +97,7 @@ def decode_update(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, p
         grid=(b,),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
         input_output_aliases={6: 0},
-        interpret=interpret, name="kpool_decode_update", num_warps=1,
+        interpret=interpret, name="kpool_decode_update", num_warps=num_warps,
     )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), tslot.astype(jnp.int32),
       key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), ape.astype(jnp.float32), view)
     return out.reshape(-1)
