@@ -36,6 +36,30 @@ def time_chain(step, state, *args, reps=20, trials=5):
     return float(np.median(times)), state
 
 
+def chain_cache_copies(step, state, *args, reps=3):
+    """How many copies of the state (>= half its bytes) XLA put into the compiled chain.
+
+    0 means every call updates the donated state in place; n > 0 means the timing
+    of `time_chain` includes n full copies per `reps` calls (not kernel time).
+    """
+    import re
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def chain(s, *a):
+        for _ in range(reps):
+            s = step(s, *a)
+        return s
+
+    text = chain.lower(state, *args).compile().as_text()
+    nbytes = state.size * state.dtype.itemsize
+    width = {"u8": 1, "s8": 1, "u16": 2, "s16": 2, "bf16": 2, "f16": 2, "u32": 4, "s32": 4, "f32": 4}
+    n = 0
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\][^ ]* copy\(", text):
+        size = int(np.prod([int(d) for d in m.group(2).split(",") if d])) * width.get(m.group(1), 8)
+        n += size * 2 >= nbytes
+    return n
+
+
 def copy_bandwidth(nbytes=1 << 30):
     """Device-to-device copy bandwidth in bytes/s (read + write counted), measured now."""
     x = jnp.zeros((nbytes // 4,), jnp.uint32)

@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _timing import copy_bandwidth  # noqa: E402
 
 FLOOR_BYTES_PER_TOKEN = 35          # spec 7.3: decode, per context token per layer
+LOGIT_RTOL_GPU = 5e-4               # fp8 tensor-core dots accumulate with ~14 bits (tests/test_read_path.py)
 
 
 def time_read(f, args, reps=10, trials=5, fixed=0):
@@ -187,8 +188,9 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
         t = plg.Tuning(*v)
         f = jax.jit(lambda c, q, w_, tb, x, t=t: plg.paged_logits(c, s, q, w_, tb, x, tune=t))
         got = np.asarray(f(cache, q8, w, table, ctx))
-        ok = bool((np.isfinite(got) == fin).all() and np.allclose(got[fin], want[fin], rtol=1e-4,
-                                                                 atol=1e-4 * np.abs(want[fin]).max()))
+        tol = LOGIT_RTOL_GPU if jax.default_backend() == "gpu" else 1e-5
+        ok = bool((np.isfinite(got) == fin).all() and np.allclose(got[fin], want[fin], rtol=tol,
+                                                                 atol=tol * np.abs(want[fin]).max()))
         sec = time_read(f, (cache, q8, w, table, ctx), reps, trials, fixed=1) if ok else float("nan")
         rows.append(dict(kind="sweep", case=f"logits B={batch} ctx={ctx_tokens // 1024}k",
                          impl=f"G={v[0]} steps={v[1]} warps={v[2]}" + ("" if ok else " WRONG"), s=sec, ok=ok))

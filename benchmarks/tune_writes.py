@@ -34,7 +34,7 @@ from pallas_kernels.pool_compress import compress_prefill as compress_kernel
 from pallas_kernels.tail_seed import seed_tail as seed_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import empty_launch_seconds, time_chain  # noqa: E402
+from _timing import chain_cache_copies, empty_launch_seconds, time_chain  # noqa: E402
 
 SENTINEL = 0xA5
 COMPRESS_SHAPES = [(8, 4), (4, 4), (16, 4), (16, 8), (32, 8), (8, 2)]     # (tile_pools, num_warps)
@@ -58,7 +58,8 @@ def variant(name, case, step, ref_step, layout, args, reps, trials):
     want = np.asarray(ref_step(layout.allocate(SENTINEL), *args)).view(np.uint8)
     ok = bool((got == want).all() and (want != SENTINEL).any())
     t = time_chain(step, layout.allocate(0), *args, reps=reps, trials=trials)[0] if ok else float("nan")
-    return dict(case=case, variant=name + ("" if ok else " WRONG"), s=t, ok=ok)
+    copies = chain_cache_copies(step, layout.allocate(0), *args)
+    return dict(case=case, variant=name + ("" if ok else " WRONG"), s=t, ok=ok, copies_per_3_calls=copies)
 
 
 def main(argv=None):
@@ -107,11 +108,13 @@ def main(argv=None):
         r["x_empty"] = r["s"] / empty
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
           f"empty Pallas launch {empty * 1e6:.2f} us")
-    hdr = f"{'case':<26}{'variant':<26}{'us/call':>10}{'vs first':>10}{'x empty':>9}"
+    hdr = f"{'case':<26}{'variant':<26}{'us/call':>10}{'vs first':>10}{'x empty':>9}{'copies':>8}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
-        print(f"{r['case']:<26}{r['variant']:<26}{r['s'] * 1e6:>10.2f}{r['vs_first']:>9.2f}x{r['x_empty']:>9.2f}")
-    print("\nvs first: time of the case's first variant (the default launch shape) / this time.")
+        print(f"{r['case']:<26}{r['variant']:<26}{r['s'] * 1e6:>10.2f}{r['vs_first']:>9.2f}x{r['x_empty']:>9.2f}"
+              f"{r['copies_per_3_calls']:>8}")
+    print("\nvs first: time of the case's first variant (the default launch shape) / this time; "
+          "copies: full cache copies XLA put into a chain of 3 calls (0 = in place).")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(backend=jax.default_backend(), jax=jax.__version__, empty_launch_s=empty, rows=rows),

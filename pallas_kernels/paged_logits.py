@@ -15,9 +15,9 @@ holds BN query rows of one request (the next_n rows of a decode request share
 every page read) and walks `steps` steps of `pages_per_step` (G) page-table
 columns (``Tuning``). Per step it gathers the G pages' [G*P, 32] key words at
 once (neighbouring lanes read neighbouring words; more bytes in flight than one
-page at a time) and their G*P scales, unpacks the fp8 bytes row-major
-([G*P, 128], K contiguous), computes the fp8 x fp8 -> f32 dot keys x queries^T
-[G*P, 128] x [128, BN*Hp], scales, applies ReLU, sums the weighted heads and
+page at a time) and their G*P scales, transposes the u32 word tile, unpacks the
+fp8 bytes into K-major [128, G*P] order, computes the fp8 x fp8 -> f32 dot
+[BN*Hp, 128] x [128, G*P], scales, applies ReLU, sums the weighted heads and
 stores [BN, G*P] logits. Columns past the block's longest context store -inf
 without touching the cache.
 
@@ -40,8 +40,8 @@ from . import addressing as addr
 from . import numerics as nm
 from .strides import CacheStrides
 
-PAGES_PER_STEP = 4          # page-table columns gathered at once (defaults of Tuning)
-STEPS = 2                   # steps per program
+PAGES_PER_STEP = 1          # page-table columns gathered at once (defaults of Tuning:
+STEPS = 8                   # the launch shape verified on the H200; see bench_read --sweep)
 NUM_WARPS = 4
 MAX_DOT_ROWS = 128          # BN * Hp: query rows per program times padded heads
 
@@ -97,12 +97,12 @@ def load_query_block(ctx_ref, q_ref, w_ref, b, r0, *, n: int, hp: int, bn: int) 
     return QueryBlock(q8, w, ctx, row_ok, flat)
 
 
-def unpack_fp8_words(w):
-    """[N, 32] uint32 (the 32 key words of N pools) -> [N, 128] float8_e4m3fn, byte d of
-    pool r at [r, d]: row-major keys, K contiguous, as the fp8 dot wants both operands."""
-    n = w.shape[0]
-    shift = (_iota((n, addr.KEY_WORDS, 4), 2) * 8).astype(jnp.uint32)
-    b = ((w[:, :, None] >> shift) & 0xFF).astype(jnp.uint8).reshape(n, nm.HEAD_DIM)
+def unpack_fp8_words_t(w):
+    """[32, N] uint32 (word w of pool r at [w, r]) -> [128, N] float8_e4m3fn (byte d of
+    pool r at [d, r]): the keys transposed, K-major, as the B operand of the dot."""
+    n = w.shape[1]
+    shift = (_iota((addr.KEY_WORDS, 4, n), 1) * 8).astype(jnp.uint32)
+    b = ((w[:, None, :] >> shift) & 0xFF).astype(jnp.uint8).reshape(nm.HEAD_DIM, n)
     return lax.bitcast_convert_type(b, nm.FP8)
 
 
@@ -110,7 +110,8 @@ def load_pages(cache_ref, s: CacheStrides, pages, ok):
     """Keys and scales of G pages at once (more bytes in flight per program).
 
     pages: [G] i32 page ids; ok: [G] bool (nothing of a page is read unless ok).
-    Returns (k8 [G*P, 128] e4m3fn, row g*P + r = row r of pages[g]; kscale [G*P] f32).
+    Returns (k8t [128, G*P] e4m3fn, column g*P + r = row r of pages[g], transposed;
+    kscale [G*P] f32).
     """
     g, p = pages.shape[0], s.page_rows
     gp = g * p
@@ -118,26 +119,23 @@ def load_pages(cache_ref, s: CacheStrides, pages, ok):
     ok_r = jnp.broadcast_to(ok[:, None], (g, p)).reshape(gp)
     row_r = _iota((gp,), 0) % p
     w = _iota((gp, addr.KEY_WORDS), 1)
-    # [G*P, 32]: neighbouring lanes read neighbouring words (coalesced 128-byte rows)
+    # [G*P, 32]: neighbouring lanes read neighbouring words (coalesced 128-byte rows);
+    # the u32 tile is then transposed (not the fp8 one) to get K-major keys
     rr, cc = addr.split_word(s, addr.page_key_words(s, page_r, row_r)[:, None] + w)
-    words = B.gather(cache_ref, rr, cc, mask=ok_r[:, None] & (w >= 0), other=0)
+    words = B.gather(cache_ref, rr, cc, mask=ok_r[:, None] & (w >= 0), other=0).T     # [32, G*P]
     rs, cs = addr.split_word(s, addr.page_scale_words(s, page_r, row_r))
     sw = B.gather(cache_ref, rs, cs, mask=ok_r, other=0)
-    return unpack_fp8_words(words), lax.bitcast_convert_type(sw, jnp.float32)
+    return unpack_fp8_words_t(words), lax.bitcast_convert_type(sw, jnp.float32)
 
 
-def pages_logits(qb: QueryBlock, k8, kscale, *, bn: int, hp: int):
-    """[BN, G*P] f32 logits of G pages for the block's rows (no context masking).
-
-    The dot is keys x queries^T, [G*P, 128] x [128, BN*Hp]: both operands K-major
-    (what Hopper's fp8 MMA takes) and the large side (G*P pools) on M.
-    """
-    sc = lax.dot_general(k8, qb.q8, (((1,), (1,)), ((), ())),
-                         preferred_element_type=jnp.float32)                      # [G*P, BN*Hp]
-    sc = jnp.maximum(sc * kscale[:, None], 0.0)
-    sc = sc * qb.w[None, :]
-    gp = sc.shape[0]
-    return jnp.sum(sc.reshape(gp, bn, hp), axis=2).T                               # [BN, G*P]
+def pages_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int):
+    """[BN, G*P] f32 logits of G pages for the block's rows (no context masking):
+    the fp8 dot [BN*Hp, 128] x [128, G*P] (the form verified on the H200), scaled,
+    ReLU, weighted sum over heads."""
+    sc = jnp.dot(qb.q8, k8t, preferred_element_type=jnp.float32)                   # [BN*Hp, G*P]
+    sc = jnp.maximum(sc * kscale[None, :], 0.0)
+    sc = sc * qb.w[:, None]
+    return jnp.sum(sc.reshape(bn, hp, sc.shape[-1]), axis=1)                      # [BN, G*P]
 
 
 def score_pages(cache_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col0, enabled, *,
@@ -153,8 +151,8 @@ def score_pages(cache_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col0, 
     in_table = cols < max_pages
     pages = B.gather(table_ref, b + 0 * cols, jnp.minimum(cols, max_pages - 1))    # [G]
     page_ok = enabled & in_table & addr.page_valid(s, pages)
-    k8, kscale = load_pages(cache_ref, s, pages, page_ok)
-    lg = pages_logits(qb, k8, kscale, bn=bn, hp=hp)                                # [BN, G*P]
+    k8t, kscale = load_pages(cache_ref, s, pages, page_ok)
+    lg = pages_logits(qb, k8t, kscale, bn=bn, hp=hp)                               # [BN, G*P]
     pools = addr.table_pool(s, col0, _iota((g * p,), 0))                           # [G*P]
     ok_r = jnp.broadcast_to((in_table & page_ok)[:, None], (g, p)).reshape(g * p)
     live = (pools[None, :] < qb.ctx[:, None]) & (pools < max_pages * p)[None, :]

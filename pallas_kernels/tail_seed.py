@@ -26,15 +26,17 @@ from . import addressing as addr
 from . import numerics as nm
 from .strides import CacheStrides
 
-TILE_TOKENS = 64
+TILE_TOKENS = 64           # candidate rows per program, all-rows mode
+TILE_ENDS = 8              # candidate rows per program, request-ends mode (few rows: spread them)
 
 
 def _kernel(ends_ref, tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: CacheStrides,
             t_total: int, n_ends: int):
     # ends_ref: [N] i32 (unused when n_ends == 0); tslot_ref: [T] i32;
     # key_ref, gate_ref: [T, 128] bf16; cache_ref: [rows, 1024] u32
+    tile = TILE_ENDS if n_ends else TILE_TOKENS
     p = B.program_id(0)
-    c = p * TILE_TOKENS + lax.broadcasted_iota(jnp.int32, (TILE_TOKENS,), 0)      # [TILE] candidate
+    c = p * tile + lax.broadcasted_iota(jnp.int32, (tile,), 0)                     # [TILE] candidate
     if n_ends:                                   # candidate c: row end - R + c % R of request c // R
         req = c // s.kpool
         end = B.load(ends_ref.at[jnp.minimum(req, n_ends - 1)], mask=req < n_ends, other=0)
@@ -50,9 +52,9 @@ def _kernel(ends_ref, tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: 
               & ((ahead < 0) | (addr.tail_block(s, ahead) != addr.tail_block(s, ts))))
     blk = addr.tail_block(s, ts)
     ring_slot = jnp.where(seeded, ts, 0) % s.ring
-    col = lax.broadcasted_iota(jnp.int32, (TILE_TOKENS, 128), 1)                   # [TILE, 128]
+    col = lax.broadcasted_iota(jnp.int32, (tile, 128), 1)                          # [TILE, 128]
     rows = jnp.minimum(i, t_total - 1)[:, None] + 0 * col                           # [TILE, 128]
-    w = lax.broadcasted_iota(jnp.int32, (TILE_TOKENS, addr.TAIL_ROW_WORDS), 1)   # [TILE, 64]
+    w = lax.broadcasted_iota(jnp.int32, (tile, addr.TAIL_ROW_WORDS), 1)          # [TILE, 64]
     m2 = seeded[:, None] & (w >= 0)
     for half, src in ((0, key_ref), (1, gate_ref)):
         row = B.gather(src, rows, col, mask=seeded[:, None] & (col >= 0))           # [TILE, 128] bf16
@@ -78,7 +80,7 @@ def seed_tail(cache, s: CacheStrides, key, gate, tslot, request_ends=None, *, in
     view = cache.reshape(addr.view_shape(s))
     out = B.pallas_call(
         functools.partial(_kernel, s=s, t_total=t, n_ends=n_ends),
-        grid=(pl_cdiv(cands, TILE_TOKENS),),
+        grid=(pl_cdiv(cands, TILE_ENDS if n_ends else TILE_TOKENS),),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
         input_output_aliases={4: 0},
         interpret=interpret, name="kpool_seed_tail", num_warps=4,
