@@ -53,16 +53,23 @@ LOGIT_RTOL_GPU = 5e-4               # fp8 tensor-core dots accumulate with ~14 b
 def time_read(f, args, reps=10, trials=5, fixed=0):
     """Median seconds per call of f(*args), `reps` dependent calls chained in one jit.
 
-    The first `fixed` args (the cache) go to every call unchanged. Each later call
-    gets its first integer argument plus a 0 that XLA cannot prove is 0 (a compare
-    of the previous output's first element with an unlikely value), so every call
-    depends on the last and none can be merged, hoisted or removed. (Identical
-    calls, or calls whose output nobody reads, are deduplicated or deleted by XLA:
-    the first version of this harness timed 1 call and divided by 10.)
+    The first `fixed` args (the cache) go to every call unchanged. Every later
+    int / float argument of each later call gets a 0 added that XLA cannot prove
+    is 0 (a compare of the previous output's first element with an unlikely
+    value), so every call depends on the last and none can be merged, hoisted or
+    removed, whichever arguments f reads. (Identical calls, or calls whose output
+    nobody reads, are deduplicated or deleted by XLA: the first version of this
+    harness timed 1 call and divided by 10; the second perturbed only the first
+    integer argument, which lax.top_k(x, k) ignores, so its 10 calls merged.)
     """
     n_fixed = fixed
-    int_arg = next(i for i, x in enumerate(args[fixed:])
-                   if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer))
+
+    def perturbable(x):
+        d = jnp.asarray(x).dtype
+        return jnp.issubdtype(d, jnp.integer) or d in (jnp.float32, jnp.bfloat16)
+
+    if not any(perturbable(x) for x in args[fixed:]):
+        raise ValueError("time_read needs an int or float argument after the fixed ones")
 
     @jax.jit
     def chain(*all_args):
@@ -70,8 +77,8 @@ def time_read(f, args, reps=10, trials=5, fixed=0):
         outs = [f(*c, *a)]
         for _ in range(reps - 1):
             first = jnp.ravel(outs[-1])[0].astype(jnp.float32)
-            dep = (first == jnp.float32(-12345.678)).astype(a[int_arg].dtype)    # 0 in practice
-            a[int_arg] = a[int_arg] + dep
+            dep = first == jnp.float32(-12345.678)                               # False in practice
+            a = [x + dep.astype(x.dtype) if perturbable(x) else x for x in a]
             outs.append(f(*c, *a))
         return outs
 

@@ -35,6 +35,16 @@ def test_read_harness_keeps_every_call(monkeypatch):
     assert n == 4, f"the chain of 4 calls compiled to {n} matmuls"
 
 
+def test_read_harness_keeps_calls_that_ignore_their_int_argument(monkeypatch):
+    """lax.top_k(x, k) reads only the float scores: its calls must not merge either."""
+    import bench_read as br
+    x = jnp.ones((128, 128))
+    f = lambda x, lengths: jnp.sin(x @ x)
+    n = _count_dots(monkeypatch, br, lambda: (br.time_read(f, (x, jnp.int32(0)), reps=4, trials=1),
+                                              (x, jnp.int32(0)))[1])
+    assert n == 4, f"the chain of 4 calls compiled to {n} matmuls"
+
+
 def test_write_harness_keeps_every_call(monkeypatch):
     import _timing
     a = jnp.ones((128, 128))
