@@ -183,12 +183,17 @@ class DecoderLayer(nnx.Module):
             a, [self.wq_a[...].T, self.wk[...].T, self.wv[...].T] + idx.x_weights())
         qr = inv.bf16(qr)
         q, iq = inv.linear_multi(qr, [self.wq_b[...].T] + idx.qr_weights())
+        # Every write of the layer comes before its first read of the cache: this
+        # step's K/V (attention region) first, then the indexer's writes (indexer
+        # region) and its selection. A write that does not depend on an earlier read
+        # (K/V after the selection) makes XLA copy the whole cache to keep the read's
+        # input alive; in this order each read feeds the next layer's first write.
+        astr = layout.attn_strides(layer, self.head_dim * BF16_BYTES)
+        slots = jnp.concatenate([batch["dec_attn_slots"].reshape(-1), batch["pre_attn_slots"].reshape(-1)])
+        cache = write_kv(cache, astr, inv.bf16(k), inv.bf16(v), slots)
         cache, sel = idx(cache, a, qr, batch, layout=layout, layer=layer, implementation=implementation,
                          fault=fault, projections=idx.finish_projection(a, ik, ig, iq))
         q = inv.bf16(q).reshape(t, self.num_heads, self.head_dim)
-        astr = layout.attn_strides(layer, self.head_dim * BF16_BYTES)
-        slots = jnp.concatenate([batch["dec_attn_slots"].reshape(-1), batch["pre_attn_slots"].reshape(-1)])
-        cache = write_kv(cache, astr, inv.bf16(k), inv.bf16(v), slots)   # this step's K/V before any read
         tables = batch["block_table_blocks"][batch["token_table_rows"]]   # [T, MB]
         kk, vv, ok = gather_kv(cache, astr, sort_selected(sel), tables)
         o = sparse_attention(q, kk, vv, ok)
