@@ -1,19 +1,33 @@
 """Serving loop: continuous batching over the tiny decoder and the kpool indexer cache.
 
-``Engine`` owns one flat cache (``CacheLayout`` of the model: attention + indexer
-regions of every layer), one ``BlockPool`` (one device shard) and a scheduler.
-Each ``step()``:
+``Engine`` owns one flat cache per device (``CacheLayout`` of the model:
+attention + indexer regions of every layer), held as ONE array
+``uint32[num_shards, total_words]`` sharded over the ``data`` axis of a
+``jax.sharding.Mesh`` (default: a one-device mesh), one ``BlockPool`` (with its
+prefix cache) per shard, and a scheduler. Each ``step()``:
 
-1. admits waiting requests in arrival order while the pool can reserve their
-   whole footprint (a prefix-cache hit reuses cached blocks; see ``blocks``);
-2. schedules every generating request as one decode row (its last token, plus
-   up to ``next_n - 1`` draft tokens to verify) and up to ``max_prefill_requests``
-   prompt chunks;
-3. builds the static-shape step arrays (``step_metadata``), runs ONE jit-compiled
-   step (all layers: indexer writes, selection, sparse attention, LM head) with
-   the cache donated, and reads back the greedy next token of every row;
+1. admits waiting requests in arrival order, placing each on a shard (below)
+   whose pool can reserve its whole footprint (a prefix-cache hit reuses cached
+   blocks; see ``blocks``);
+2. schedules, on every shard, every generating request as one decode row (its
+   last token, plus up to ``next_n - 1`` draft tokens to verify) and up to
+   ``max_prefill_requests`` prompt chunks;
+3. builds each shard's static-shape step arrays (``step_metadata``; one common
+   bucketed shape for all shards), stacks them on a leading device axis and runs
+   ONE jit-compiled step for all devices (all layers: indexer writes, selection,
+   sparse attention, LM head, each device on its own shard under ``shard_map``)
+   with the cache donated, then reads back the greedy next token of every row;
 4. commits: appends sampled / accepted tokens, registers newly full blocks in
    the prefix cache, releases finished requests.
+
+Placement (several shards). A request whose prompt has cached prefix blocks goes
+to the shard holding the longest such prefix (ties: lower shard id) and waits for
+that shard if it does not fit there now. Any other request goes to the least
+loaded shard on which it fits now, where the load of a shard is the pair
+(running requests, blocks held by them), compared in that order (running requests
+set the step's rows, which every shard pays for); ties go to the lower shard id.
+``max_running_requests`` and ``max_prefill_requests`` are per shard, so D shards
+serve D times the rows of one at the same step shape.
 
 Chunked prefill may cut a prompt at ANY token. Policy for a chunk starting
 mid-pool: its first ``(-start) % kpool`` tokens (the head) go through
@@ -36,7 +50,7 @@ overwrites them before any committed query can read them (spec 5.4). The ring
 is sized for that (``IndexerConfig.num_spec_tokens >= next_n - 1``).
 
 Every step is one call of a module-level ``jax.jit`` function whose static
-arguments are the model structure, layout, implementation and fault; shapes are
+arguments are the model structure, layout, implementation, fault and mesh; shapes are
 bucketed, so a steady workload reuses its compiled executables. ``compilations``
 counts traces (= compilations) this engine caused.
 """
@@ -47,27 +61,33 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from . import metadata as md
 from . import ops
+from . import sharding
 from .blocks import BlockPool
 from .layout import CacheLayout
 from .model import Decoder
-from .step_metadata import BucketMins, RowSpec, build_step, choose_shape
+from .step_metadata import BucketMins, RowSpec, StepShape, build_step, choose_shape
 
 _TRACE_COUNT = [0]
 
 
-def _step_impl(state, cache, batch, *, graphdef, layout, implementation, fault):
+def _step_impl(state, cache, batch, *, graphdef, layout, implementation, fault, mesh):
+    """One step on every device: cache [D, words] and batch leaves [D, ...] -> (cache,
+    next_token [D, T] i32, selected [D, num_layers, T, W] i32)."""
     _TRACE_COUNT[0] += 1                      # runs once per trace, i.e. per compilation
-    model = nnx.merge(graphdef, state)
-    return model(cache, batch, layout=layout, implementation=implementation, fault=fault)
+
+    def one_device(state, cache, batch):      # cache [words], batch leaves without the device axis
+        model = nnx.merge(graphdef, state)
+        return model(cache, batch, layout=layout, implementation=implementation, fault=fault)
+
+    return sharding.per_shard(one_device, mesh, replicated_args=1)(state, cache, batch)
 
 
-_step = jax.jit(_step_impl, static_argnames=("graphdef", "layout", "implementation", "fault"),
+_step = jax.jit(_step_impl, static_argnames=("graphdef", "layout", "implementation", "fault", "mesh"),
                 donate_argnames=("cache",))
 
 
@@ -93,6 +113,7 @@ class _Request:
     selected: dict = dataclasses.field(default_factory=dict)     # position -> [L, W] i32
     predicted: dict = dataclasses.field(default_factory=dict)    # position -> greedy next token
     snapshot: dict | None = None
+    shard: int | None = None                                     # placed at admission
     proposed_drafts: int = 0
     accepted_drafts: int = 0
 
@@ -116,6 +137,7 @@ class RequestOutput:
     selected_tokens: dict           # position -> [num_layers, W] (when recording)
     predicted_tokens: dict          # position -> greedy next token (when recording)
     snapshot: dict | None           # cache bytes of the request at finish (snapshot_on_finish)
+    shard: int | None = None        # the device shard it was placed on (None while waiting)
 
     @property
     def finished(self) -> bool:
@@ -134,25 +156,60 @@ def prompt_lookup_drafts(tokens, k: int, max_ngram: int = 3) -> list:
     return []
 
 
-class Engine:
-    """Continuous-batching engine for ``Decoder`` over one flat cache and one BlockPool.
+@dataclasses.dataclass
+class _ShardCounters:
+    """Tokens one shard processed and generated."""
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    generated_tokens: int = 0
 
-    The model's parameters are captured (``nnx.split``) at construction. Knobs:
-    ``max_running_requests`` (decode rows), ``max_prefill_requests`` and
-    ``prefill_chunk_tokens`` (prefill rows and their width), ``next_n`` (1 + draft
-    tokens verified per decode row), ``bucket_mins`` (raise to pin shapes),
+
+@dataclasses.dataclass
+class _ShardPlan:
+    """What one shard runs in a step: its requests and their rows."""
+    decode: list
+    prefill: list
+    dec_rows: list
+    dec_drafts: list
+    pre_rows: list
+
+
+def _wants(flag, request_id) -> bool:
+    """A per-request option given as a bool or a predicate request_id -> bool."""
+    return bool(flag(request_id)) if callable(flag) else bool(flag)
+
+
+def common_shape(shapes) -> StepShape:
+    """The smallest step shape holding every shard's rows: the field-wise maximum
+    (all fields are powers of two or fixed per engine, so this is a bucket too)."""
+    shapes = list(shapes)
+    return StepShape(**{f.name: max(getattr(s, f.name) for s in shapes) for f in dataclasses.fields(StepShape)})
+
+
+class Engine:
+    """Continuous-batching engine for ``Decoder`` over one flat cache and one BlockPool
+    per device shard.
+
+    The model's parameters are captured (``nnx.split``) at construction and
+    replicated on every device of ``mesh`` (a ``jax.sharding.Mesh`` with a ``data``
+    axis; default: the first device alone). ``num_blocks`` is per shard. Knobs:
+    ``max_running_requests`` (decode rows per shard), ``max_prefill_requests`` and
+    ``prefill_chunk_tokens`` (prefill rows per shard and their width), ``next_n`` (1
+    + draft tokens verified per decode row), ``bucket_mins`` (raise to pin shapes),
     ``chunk_policy(request_id, start_token, remaining_tokens, max_tokens) -> int``
     (cut prompts anywhere), ``draft_fn(request_id, tokens, k) -> list`` (default:
     prompt lookup), ``record`` (keep each position's selected tokens and greedy
-    prediction), ``snapshot_on_finish`` (keep a request's cache bytes), ``fault``
-    (inject a historical bug), ``dry_run`` (schedule and allocate only).
+    prediction), ``snapshot_on_finish`` (keep a request's cache bytes at finish;
+    both take a bool or a predicate ``request_id -> bool``), ``fault``
+    (inject a historical bug), ``dry_run`` (schedule and allocate blocks only: no
+    model, no cache, every prediction 0).
     """
 
-    def __init__(self, model: Decoder, num_blocks: int, *, max_running_requests: int = 8,
+    def __init__(self, model: Decoder, num_blocks: int, *, mesh=None, max_running_requests: int = 8,
                  max_prefill_requests: int = 2, prefill_chunk_tokens: int = 128, next_n: int = 1,
                  bucket_mins: BucketMins = BucketMins(), implementation=None, fault=None,
-                 chunk_policy=None, draft_fn=None, record: bool = False,
-                 snapshot_on_finish: bool = False, shard: int = 0, dry_run: bool = False):
+                 chunk_policy=None, draft_fn=None, record=False, snapshot_on_finish=False,
+                 dry_run: bool = False):
         cfg = model.config
         self.model = model
         self.layout: CacheLayout = cfg.layout(num_blocks)
@@ -165,6 +222,8 @@ class Engine:
         if next_n - 1 > self.config.num_spec_tokens:
             raise ValueError(f"next_n = {next_n} verifies {next_n - 1} draft tokens but the tail ring is "
                              f"sized for num_spec_tokens = {self.config.num_spec_tokens} (spec 3.4, bug B2)")
+        self.mesh = sharding.single_device_mesh() if mesh is None else mesh
+        self.num_shards = sharding.check_mesh(self.mesh)
         self.max_running_requests = max_running_requests
         self.max_prefill_requests = max_prefill_requests
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -176,28 +235,48 @@ class Engine:
         self.draft_fn = draft_fn
         self.record = record
         self.snapshot_on_finish = snapshot_on_finish
-        self.dry_run = dry_run              # schedule and allocate only: no model, every prediction 0
-        self.block_pool = BlockPool.from_layout(self.layout, shard=shard)
-        self._graphdef, self._state = nnx.split(model)
-        self.cache = self.layout.allocate(0)
+        self.dry_run = dry_run
+        self.block_pools = [BlockPool.from_layout(self.layout, shard=s) for s in range(self.num_shards)]
+        self._graphdef, state = nnx.split(model)
+        # weights on every device; the cache uint32[num_shards, total_words], row d on device d
+        # (a dry run touches no device memory)
+        self._state = None if dry_run else sharding.replicated(state, self.mesh)
+        self.cache = None if dry_run else sharding.allocate(self.layout, self.mesh, 0)
         self._reqs: dict = {}
         self._waiting: collections.deque = collections.deque()
         self._running: list = []
         self._arrivals = 0
+        self._counters = [_ShardCounters() for _ in range(self.num_shards)]
         self.steps = 0
         self.compilations = 0
         self.shapes_seen: set = set()
-        self.prefill_tokens = 0
-        self.decode_tokens = 0
-        self.generated_tokens = 0
         self.step_seconds = 0.0
         self.compile_step_seconds = 0.0     # wall time of the steps that compiled
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """The BlockPool of a one-shard engine (several shards: ``block_pools[shard]``)."""
+        if self.num_shards != 1:
+            raise ValueError(f"this engine has {self.num_shards} shards: use block_pools[shard]")
+        return self.block_pools[0]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.prefill_tokens for c in self._counters)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(c.decode_tokens for c in self._counters)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(c.generated_tokens for c in self._counters)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id, prompt_tokens, max_new_tokens: int, cache_salt: str | None = None):
         """Queue a request. ValueError (and no state change) for an empty prompt, token ids
         outside the vocabulary, max_new_tokens < 1, a duplicate id, or a request that
-        could never fit in the block pool."""
+        could never fit in a shard's block pool."""
         if request_id in self._reqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         try:
@@ -216,7 +295,7 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"request {request_id!r}: cache_salt must be a str or None")
         try:
-            self.block_pool.check_fits(len(prompt) + max_new_tokens)
+            self.block_pools[0].check_fits(len(prompt) + max_new_tokens)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens + {max_new_tokens} "
                              f"new tokens can never fit: {e}") from None
@@ -235,7 +314,7 @@ class Engine:
         req = self._get(request_id)
         if req.status == RUNNING:
             self._running.remove(req)
-            self.block_pool.release(request_id)
+            self.block_pools[req.shard].release(request_id)
         elif req.status == WAITING:
             self._waiting.remove(req)
         req.status = ABORTED if req.status != FINISHED else req.status
@@ -244,7 +323,7 @@ class Engine:
         req = self._get(request_id)
         return RequestOutput(req.request_id, tuple(req.prompt), tuple(req.output), req.status,
                              req.num_cached_tokens, req.num_computed_tokens, dict(req.selected),
-                             dict(req.predicted), req.snapshot)
+                             dict(req.predicted), req.snapshot, req.shard)
 
     @property
     def outputs(self) -> dict:
@@ -254,26 +333,56 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def num_running(self) -> int:
-        return len(self._running)
+    def num_finished(self) -> int:
+        return sum(1 for r in self._reqs.values() if r.status == FINISHED)
+
+    def num_running(self, shard: int | None = None) -> int:
+        """Running requests (on one shard, or on all)."""
+        return sum(1 for r in self._running if shard is None or r.shard == shard)
+
+    def request_shard(self, request_id):
+        """The shard a request was placed on (None while it waits)."""
+        return self._get(request_id).shard
 
     def request_blocks(self, request_id):
-        """(index_blocks, tail_block) of a running request."""
-        self._get(request_id)
-        rb = self.block_pool.request(request_id)
+        """(index_blocks, tail_block) of a running request: block ids of its shard."""
+        req = self._get(request_id)
+        if req.shard is None:
+            raise ValueError(f"request {request_id!r} holds no blocks (status {req.status})")
+        rb = self.block_pools[req.shard].request(request_id)
         return list(rb.index_blocks), rb.tail_block
 
-    # ---- scheduling --------------------------------------------------------------------
+    # ---- placement and scheduling ------------------------------------------------------
+    def shard_load(self, shard: int) -> tuple:
+        """(running requests, blocks they hold) of a shard: placement picks the smallest."""
+        pool = self.block_pools[shard]
+        return self.num_running(shard), pool.usable_blocks - pool.num_free_blocks
+
+    def _candidate_shards(self, req) -> list:
+        """Shards to try for a request, best first: the holder of its longest cached
+        prefix alone if any shard has one, else every shard by load then id."""
+        hits = [len(pool.lookup(req.prompt, req.cache_salt)) for pool in self.block_pools]
+        if max(hits) > 0:
+            return [hits.index(max(hits))]
+        return sorted(range(self.num_shards), key=lambda s: (self.shard_load(s), s))
+
     def _admit(self):
-        while self._waiting and len(self._running) < self.max_running_requests:
+        while self._waiting:
             req = self._waiting[0]
-            rb = self.block_pool.admit(req.request_id, req.prompt, len(req.prompt) + req.max_new_tokens,
-                                       req.cache_salt)
-            if rb is None:
+            placed = None
+            for s in self._candidate_shards(req):
+                if self.num_running(s) >= self.max_running_requests:
+                    continue
+                placed = self.block_pools[s].admit(req.request_id, req.prompt,
+                                                   len(req.prompt) + req.max_new_tokens, req.cache_salt)
+                if placed is not None:
+                    req.shard = s
+                    break
+            if placed is None:
                 break
             self._waiting.popleft()
             req.status = RUNNING
-            req.num_cached_tokens = req.num_computed_tokens = rb.num_cached_tokens
+            req.num_cached_tokens = req.num_computed_tokens = placed.num_cached_tokens
             self._running.append(req)
 
     def _chunk(self, req) -> int:
@@ -300,55 +409,76 @@ class Engine:
             raise ValueError(f"draft_fn proposed a token outside the vocabulary for {req.request_id!r}")
         return d
 
-    def step(self) -> list:
-        """Run one engine step. Returns the ids of requests that finished in it."""
-        self._admit()
-        if not self._running:
-            return []
+    def _plan(self, shard: int) -> _ShardPlan:
+        """The decode and prefill rows of one shard for this step."""
+        pool = self.block_pools[shard]
         decode, prefill = [], []
         for req in self._running:
+            if req.shard != shard:
+                continue
             if req.prefill_done:
                 decode.append(req)
             elif len(prefill) < self.max_prefill_requests:
                 prefill.append(req)
         dec_rows, dec_drafts = [], []
         for req in decode:
-            rb = self.block_pool.request(req.request_id)
+            rb = pool.request(req.request_id)
             drafts = self._drafts(req)
             dec_drafts.append(drafts)
             dec_rows.append(RowSpec([req.tokens[-1]] + drafts, req.num_computed_tokens,
                                     rb.index_blocks, rb.tail_block))
         pre_rows = []
         for req in prefill:
-            rb = self.block_pool.request(req.request_id)
+            rb = pool.request(req.request_id)
             n = self._chunk(req)
             s = req.num_computed_tokens
             pre_rows.append(RowSpec(req.prompt[s:s + n], s, rb.index_blocks, rb.tail_block))
-        shape = choose_shape(self.config, dec_rows, pre_rows, next_n=self.next_n, mins=self.bucket_mins)
-        arrays = build_step(self.config, shape, dec_rows, pre_rows)
+        return _ShardPlan(decode, prefill, dec_rows, dec_drafts, pre_rows)
+
+    def _batch(self, shape: StepShape, plans) -> dict:
+        """Every shard's step arrays stacked on a leading device axis, row d on device d."""
+        per = [build_step(self.config, shape, p.dec_rows, p.pre_rows).as_dict() for p in plans]
+        return sharding.put_per_shard({k: np.stack([a[k] for a in per]) for k in per[0]}, self.mesh)
+
+    def step(self) -> list:
+        """Run one engine step on every shard. Returns the ids of requests that finished in it."""
+        self._admit()
+        if not self._running:
+            return []
+        plans = [self._plan(s) for s in range(self.num_shards)]
+        shape = common_shape(choose_shape(self.config, p.dec_rows, p.pre_rows, next_n=self.next_n,
+                                          mins=self.bucket_mins) for p in plans)
         t0 = time.perf_counter()
         if self.dry_run:
-            next_tok, sel = np.zeros(shape.num_tokens, np.int32), None
+            next_tok, sel = np.zeros((self.num_shards, shape.num_tokens), np.int32), None
         else:
-            batch = {k: jnp.asarray(v) for k, v in arrays.as_dict().items()}
+            batch = self._batch(shape, plans)
             before = _TRACE_COUNT[0]
             self.cache, next_tok, selected = _step(self._state, self.cache, batch, graphdef=self._graphdef,
                                                    layout=self.layout, implementation=self.implementation,
-                                                   fault=self.fault)
-            next_tok = np.asarray(next_tok)
+                                                   fault=self.fault, mesh=self.mesh)
+            next_tok = np.asarray(next_tok)                                  # [D, T]
             traced = _TRACE_COUNT[0] - before
             self.compilations += traced
             if traced:
                 self.compile_step_seconds += time.perf_counter() - t0
-            sel = np.array(selected) if self.record else None
+            wanted = any(_wants(self.record, r.request_id) for p in plans for r in p.decode + p.prefill)
+            sel = np.array(selected) if wanted else None                     # [D, L, T, W]
         self.step_seconds += time.perf_counter() - t0
         self.shapes_seen.add(shape)
         self.steps += 1
+        finished = []
+        for s, plan in enumerate(plans):
+            finished += self._commit(s, plan, shape, next_tok[s], None if sel is None else sel[s])
+        return finished
 
+    def _commit(self, shard: int, plan: _ShardPlan, shape: StepShape, next_tok, sel) -> list:
+        """Apply one shard's results (next_tok [T], sel [L, T, W] or None); returns finished ids."""
+        pool, count = self.block_pools[shard], self._counters[shard]
         finished = []
         nd, np_ = shape.decode_width_tokens, shape.prefill_width_tokens
         base = shape.decode_rows * nd
-        for i, (req, row, drafts) in enumerate(zip(decode, dec_rows, dec_drafts)):
+        for i, (req, row, drafts) in enumerate(zip(plan.decode, plan.dec_rows, plan.dec_drafts)):
             preds = next_tok[i * nd:i * nd + len(row.token_ids)]
             a = 0
             while a < len(drafts) and drafts[a] == preds[a]:
@@ -358,30 +488,30 @@ class Engine:
             req.num_computed_tokens += a + 1
             req.proposed_drafts += len(drafts)
             req.accepted_drafts += a
-            self.decode_tokens += len(row.token_ids)
-            self.generated_tokens += a + 1
-        for j, (req, row) in enumerate(zip(prefill, pre_rows)):
+            count.decode_tokens += len(row.token_ids)
+            count.generated_tokens += a + 1
+        for j, (req, row) in enumerate(zip(plan.prefill, plan.pre_rows)):
             n = len(row.token_ids)
             self._record(req, row.start_pos, base + j * np_, n, next_tok, sel)
             req.num_computed_tokens += n
-            self.prefill_tokens += n
+            count.prefill_tokens += n
             if req.num_computed_tokens == len(req.prompt):
                 req.output.append(int(next_tok[base + j * np_ + n - 1]))
-                self.generated_tokens += 1
-        for req in decode + prefill:
-            self.block_pool.commit(req.request_id, req.tokens, req.num_computed_tokens)
+                count.generated_tokens += 1
+        for req in plan.decode + plan.prefill:
+            pool.commit(req.request_id, req.tokens, req.num_computed_tokens)
             if len(req.output) >= req.max_new_tokens:
                 del req.output[req.max_new_tokens:]
-                if self.snapshot_on_finish and not self.dry_run:
+                if _wants(self.snapshot_on_finish, req.request_id) and not self.dry_run:
                     req.snapshot = self.request_snapshot(req.request_id)
                 self._running.remove(req)
-                self.block_pool.release(req.request_id)
+                pool.release(req.request_id)
                 req.status = FINISHED
                 finished.append(req.request_id)
         return finished
 
     def _record(self, req, start_pos, flat0, n, next_tok, sel):
-        if sel is None:
+        if sel is None or not _wants(self.record, req.request_id):
             return
         for j in range(n):
             req.predicted[start_pos + j] = int(next_tok[flat0 + j])
@@ -401,63 +531,101 @@ class Engine:
         return self.outputs
 
     # ---- inspection ----------------------------------------------------------------------
-    def cache_bytes(self) -> np.ndarray:
-        """A host copy of the whole flat cache as bytes."""
-        return np.array(self.cache).view(np.uint8)
+    def lower_step(self, shape: StepShape):
+        """The step lowered for `shape` with padding-only metadata (``jax.stages.Lowered``),
+        to inspect the compiled program (``.compile().as_text()``) without running it."""
+        empty = _ShardPlan([], [], [], [], [])
+        return _step.lower(self._state, self._live_cache(), self._batch(shape, [empty] * self.num_shards),
+                           graphdef=self._graphdef, layout=self.layout, implementation=self.implementation,
+                           fault=self.fault, mesh=self.mesh)
+
+    def cache_bytes(self, shard: int = 0) -> np.ndarray:
+        """A host copy of one shard's flat cache as bytes (read from that device only)."""
+        return sharding.host_shard(self._live_cache(), shard).view(np.uint8)
+
+    def _live_cache(self):
+        if self.cache is None:
+            raise ValueError("a dry-run engine has no cache")
+        return self.cache
 
     def scribble_free_blocks(self, rng) -> int:
-        """Fill every free block that holds nothing cached (all layers: indexer pages,
-        tail ring, attention K/V) with random bytes, so any read of bytes that were
-        never written in a request's lifetime shows up as a difference. Returns the
-        number of blocks scribbled. (Testing aid: a correct engine never reads them.)"""
-        pool, lay = self.block_pool, self.layout
-        blocks = [b for b in pool.free_order() if not pool.is_cached(b)]
-        raw = np.array(self.cache).view(np.uint8)
-        for layer in range(lay.num_layers):
-            for b in blocks:
-                for a, e in (lay.block_byte_range(layer, b), lay.attn_block_byte_range(layer, b)):
-                    raw[a:e] = rng.integers(0, 256, e - a, dtype=np.uint8)
-        self.cache = jnp.asarray(raw.view(np.uint32))
-        return len(blocks)
+        """Fill every free block that holds nothing cached (every shard, all layers:
+        indexer pages, tail ring, attention K/V) with random bytes, so any read of
+        bytes that were never written in a request's lifetime shows up as a
+        difference. Returns the number of blocks scribbled. (Testing aid: a correct
+        engine never reads them.)"""
+        lay, rows, total = self.layout, [], 0
+        for shard, pool in enumerate(self.block_pools):
+            blocks = [b for b in pool.free_order() if not pool.is_cached(b)]
+            raw = self.cache_bytes(shard).copy()
+            for layer in range(lay.num_layers):
+                for b in blocks:
+                    for a, e in (lay.block_byte_range(layer, b), lay.attn_block_byte_range(layer, b)):
+                        raw[a:e] = rng.integers(0, 256, e - a, dtype=np.uint8)
+            rows.append(raw.view(np.uint32))
+            total += len(blocks)
+        self.cache = sharding.put_per_shard(np.stack(rows), self.mesh)
+        return total
 
     def request_snapshot(self, request_id) -> dict:
-        """The cache bytes a running request owns, per layer, by request-relative position:
-        ``pool_keys`` [n_pools, 128] u8 and ``pool_scales`` [n_pools] u32 of its complete
-        pools, ``tail`` {position: (K row, gate row) u16} of its last kpool computed
-        tokens, ``attn_k`` / ``attn_v`` [n_tokens, kv_row_bytes] u8 of its computed tokens."""
+        """The cache bytes a running request owns (on its shard), per layer, by
+        request-relative position: ``pool_keys`` [n_pools, 128] u8 and ``pool_scales``
+        [n_pools] u32 of its complete pools, ``tail`` {position: (K row, gate row) u16}
+        of its last kpool computed tokens, ``attn_k`` / ``attn_v`` [n_tokens,
+        kv_row_bytes] u8 of its computed tokens."""
         req = self._get(request_id)
-        rb = self.block_pool.request(request_id)
+        index_blocks, tail_block = self.request_blocks(request_id)
         c, lay = self.config, self.layout
         nc = req.num_computed_tokens
-        cache = np.array(self.cache)
-        pages = md.page_table_pages(np.asarray([rb.index_blocks]), c)
+        cache = self.cache_bytes(req.shard).view(np.uint32)
+        pages = md.page_table_pages(np.asarray([index_blocks]), c)
         n_pools = nc // c.kpool
         pool_pos = np.arange(n_pools) * c.kpool + c.kpool - 1
         slots = md.compressed_slot_mapping(pool_pos, np.zeros(n_pools, np.int64), pages, c)
         pos = np.arange(nc)
-        blocks = np.asarray(rb.index_blocks)[pos // c.block_size]
+        blocks = np.asarray(index_blocks)[pos // c.block_size]
         out = []
         for layer in range(lay.num_layers):
             keys, scales = lay.pool_keys(cache, layer)
             tk, tg = lay.tail_ring(cache, layer)
             ak, av = lay.attn_kv(cache, layer, self.model.config.kv_row_bytes)
-            tail = {int(p): (tk[rb.tail_block, p % c.ring].view(np.uint16).copy(),
-                             tg[rb.tail_block, p % c.ring].view(np.uint16).copy())
+            tail = {int(p): (tk[tail_block, p % c.ring].view(np.uint16).copy(),
+                             tg[tail_block, p % c.ring].view(np.uint16).copy())
                     for p in range(max(0, nc - c.kpool), nc)}
             out.append(dict(pool_keys=keys.view(np.uint8)[slots].copy(),
                             pool_scales=scales.view(np.uint32)[slots].copy(), tail=tail,
                             attn_k=ak[blocks, pos % c.block_size].copy(),
                             attn_v=av[blocks, pos % c.block_size].copy()))
-        return dict(num_computed_tokens=nc, index_blocks=list(rb.index_blocks), tail_block=rb.tail_block,
-                    layers=out)
+        return dict(num_computed_tokens=nc, index_blocks=list(index_blocks), tail_block=tail_block,
+                    shard=req.shard, layers=out)
+
+    def _tokens_per_s(self, tokens: int) -> float:
+        """tokens / seconds spent in steps that did not compile (0 before any such step)."""
+        run_s = self.step_seconds - self.compile_step_seconds
+        return tokens / run_s if run_s > 0 else 0.0
+
+    def shard_stats(self, shard: int) -> dict:
+        """Tokens (processed = prompt + decode rows; tokens_per_s over the non-compiling
+        steps' time), requests and block-pool counters of one shard."""
+        pool, count = self.block_pools[shard], self._counters[shard]
+        running, held = self.shard_load(shard)
+        return dict(shard=shard, **dataclasses.asdict(count),
+                    tokens_per_s=self._tokens_per_s(count.prefill_tokens + count.decode_tokens),
+                    running_requests=running, held_blocks=held, admitted=pool.admitted,
+                    **{k: v for k, v in pool.stats().items() if k in
+                       ("evictions", "hit_tokens", "cached_blocks", "free_blocks")})
 
     def stats(self) -> dict:
+        """Totals over all shards, and ``shards``: one ``shard_stats`` dict per shard."""
         reqs = list(self._reqs.values())
+        shards = [self.shard_stats(s) for s in range(self.num_shards)]
         return dict(steps=self.steps, compilations=self.compilations, shapes=len(self.shapes_seen),
                     prefill_tokens=self.prefill_tokens, decode_tokens=self.decode_tokens,
                     generated_tokens=self.generated_tokens, step_seconds=self.step_seconds,
                     compile_step_seconds=self.compile_step_seconds,
+                    tokens_per_s=self._tokens_per_s(self.prefill_tokens + self.decode_tokens),
                     proposed_drafts=sum(r.proposed_drafts for r in reqs),
                     accepted_drafts=sum(r.accepted_drafts for r in reqs),
-                    **{k: v for k, v in self.block_pool.stats().items() if k in
-                       ("evictions", "hit_tokens", "cached_blocks", "free_blocks")})
+                    **{k: sum(s[k] for s in shards) for k in
+                       ("evictions", "hit_tokens", "cached_blocks", "free_blocks")},
+                    num_shards=self.num_shards, shards=shards)

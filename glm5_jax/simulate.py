@@ -1,6 +1,6 @@
 """The cached-prompt corruption probe of spec section 6.1, as a program.
 
-``python -m glm5_jax simulate [--json] [--inject-fault dense-tail-stride] [--device gpu]``
+``python -m glm5_jax simulate [--json] [--inject-fault dense-tail-stride] [--device gpu] [--devices N]``
 
 Workload:
 
@@ -18,7 +18,15 @@ After every engine step the watched pages are compared with the snapshot. The
 report gives the bytes changed (must be 0), whether each re-hit produced the same
 output tokens, the same selected tokens and the same pool bytes as its control,
 tokens/s, steps, compilations and evictions. Exit code 0 when every check passes,
-1 otherwise. ``--inject-fault dense-tail-stride`` serves with the historical bug
+1 otherwise.
+
+``--devices N`` serves the workload N times over on N devices (weak scaling): the
+engine holds one cache shard and one BlockPool per device, N system prompts are
+added together (the least-loaded placement puts prompt s on shard s), N times the
+fillers churn through the shards, and every round re-hits every prompt (the re-hit
+goes to the shard that caches it) next to its control. The report gives the probe,
+tokens/s (tokens the device processed / run time without compiling steps) and
+evictions per device, and their totals. ``--inject-fault dense-tail-stride`` serves with the historical bug
 (spec B1: tail writes with the dense block stride), which the probe catches.
 """
 from __future__ import annotations
@@ -35,7 +43,8 @@ from .layout import FAULTS
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """Sizes of one probe run (``preset("cpu")`` / ``preset("gpu")``)."""
+    """Sizes of one probe run (``preset("cpu")`` / ``preset("gpu")``); the request counts
+    and limits are per device shard, ``devices`` shards serve ``devices`` times the requests."""
     model_config: object                   # glm5_jax.model.ModelConfig
     prompt_tokens: int = 168
     fillers: int = 16
@@ -52,6 +61,7 @@ class Workload:
     fault: str | None = None
     implementation: str | None = None
     pin_buckets: bool = True               # one compiled shape (CPU: compile once)
+    devices: int = 1                       # device shards; everything above is per device
 
     def __post_init__(self):
         if self.fault is not None and self.fault not in FAULTS:
@@ -62,7 +72,7 @@ class Workload:
                              f"sparse selection path is exercised")
         if self.prompt_tokens < self.model_config.indexer.block_size:
             raise ValueError("the prompt must fill at least one block to be prefix cached")
-        for name in ("fillers", "rounds", "concurrency", "filler_min_tokens", "filler_max_new_tokens",
+        for name in ("devices", "fillers", "rounds", "concurrency", "filler_min_tokens", "filler_max_new_tokens",
                      "prompt_max_new_tokens", "prefill_chunk_tokens", "max_prefill_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -152,29 +162,63 @@ def _sorted_rows(sel):
     return np.sort(np.asarray(sel), axis=-1)
 
 
-def _drive(eng, w: Workload, prompt, fillers, news, on_step):
-    """The workload's request sequence on an engine. Returns, per round, the prompt
-    blocks the re-hit reused (None if it was not admitted at once)."""
+def prompt_id(s: int) -> str:
+    """Request id of system prompt s (one per device shard)."""
+    return f"prompt{s}"
+
+
+def rehit_id(r: int, s: int) -> str:
+    return f"rehit{r}.{s}"
+
+
+def control_id(r: int, s: int) -> str:
+    return f"control{r}.{s}"
+
+
+def _drive(eng, w: Workload, prompts, fillers, news, on_step):
+    """The workload's request sequence on an engine. Returns, per round, per prompt,
+    (shard, prompt blocks) the re-hit reused (None if it was not admitted at once)."""
     bs = eng.config.block_size
-    eng.add_request("prompt", prompt, w.prompt_max_new_tokens)
+    for s, prompt in enumerate(prompts):               # added together: one per shard (least loaded)
+        eng.add_request(prompt_id(s), prompt, w.prompt_max_new_tokens)
     eng.run(on_step=on_step)
     hits = []
-    for r, items in enumerate(_split_rounds(list(range(w.fillers)), w.rounds)):
+    for r, items in enumerate(_split_rounds(list(range(len(fillers))), w.rounds)):
         for i in items:
             eng.add_request(f"filler{i}", fillers[i], news[i])
         eng.run(on_step=on_step)
-        eng.add_request(f"rehit{r}", prompt, w.prompt_max_new_tokens)
-        eng.add_request(f"control{r}", prompt, w.prompt_max_new_tokens, cache_salt=f"control-{r}")
+        for s, prompt in enumerate(prompts):
+            eng.add_request(rehit_id(r, s), prompt, w.prompt_max_new_tokens)
+            eng.add_request(control_id(r, s), prompt, w.prompt_max_new_tokens, cache_salt=f"control-{r}")
         eng.step()
-        rh = eng.get_output(f"rehit{r}")
-        hits.append(eng.request_blocks(f"rehit{r}")[0][:len(prompt) // bs]
-                    if rh.status == "running" and rh.num_cached_tokens else None)
+        row = []
+        for s, prompt in enumerate(prompts):
+            rh = eng.get_output(rehit_id(r, s))
+            row.append((rh.shard, eng.request_blocks(rehit_id(r, s))[0][:len(prompt) // bs])
+                       if rh.status == "running" and rh.num_cached_tokens else None)
+        hits.append(row)
         on_step(eng)
         eng.run(on_step=on_step)
     return hits
 
 
-def _engine(w: Workload, model, num_blocks: int, *, dry_run: bool = False):
+def workload_mesh(w: Workload):
+    """A ``data`` mesh over the first ``w.devices`` devices (ValueError if jax sees fewer)."""
+    import jax
+
+    from . import sharding
+    devs = jax.devices()
+    if w.devices > len(devs):
+        raise ValueError(f"{w.devices} devices requested but jax sees {len(devs)} {jax.default_backend()} "
+                         f"device(s) (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={w.devices})")
+    return sharding.data_mesh(devs[:w.devices])
+
+
+def engine_for(w: Workload, model, num_blocks: int, mesh, *, dry_run: bool = False):
+    """The Engine the probe runs: the workload's limits and bucket minimums on `mesh`;
+    it records selections and snapshots of the re-hits and controls only (the
+    probe compares those; a whole-cache host copy per finished filler would cost
+    more than the step on a GPU-sized cache)."""
     from .engine import Engine
     from .step_metadata import BucketMins, bucket
     bs = w.model_config.indexer.block_size
@@ -184,66 +228,130 @@ def _engine(w: Workload, model, num_blocks: int, *, dry_run: bool = False):
         mins = BucketMins(decode_rows=bucket(w.concurrency), prefill_rows=bucket(w.max_prefill_requests),
                           prefill_width_tokens=bucket(w.prefill_chunk_tokens),
                           table_blocks=bucket(_blocks(longest, bs)))
-    return Engine(model, num_blocks, max_running_requests=w.concurrency,
+    compared = (lambda rid: str(rid).startswith(("rehit", "control"))) if not dry_run else False
+    return Engine(model, num_blocks, mesh=mesh, max_running_requests=w.concurrency,
                   max_prefill_requests=w.max_prefill_requests, prefill_chunk_tokens=w.prefill_chunk_tokens,
-                  bucket_mins=mins, implementation=w.implementation, fault=w.fault, record=not dry_run,
-                  snapshot_on_finish=not dry_run, dry_run=dry_run)
+                  bucket_mins=mins, implementation=w.implementation, fault=w.fault, record=compared,
+                  snapshot_on_finish=compared, dry_run=dry_run)
 
 
 def draw_requests(w: Workload):
-    """(prompt, filler prompts, filler max_new_tokens) of a workload, from its seed."""
+    """(system prompts [devices], filler prompts [devices * fillers], filler max_new_tokens)
+    of a workload, from its seed (one device draws exactly what it always drew)."""
     import numpy as np
     cfg = w.model_config
     rng = np.random.default_rng(w.seed)
-    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, w.prompt_tokens)]
-    lengths = [int(x) for x in rng.integers(w.filler_min_tokens, w.filler_max_tokens + 1, w.fillers)]
-    news = [int(x) for x in rng.integers(1, w.filler_max_new_tokens + 1, w.fillers)]
+    n_fill = w.devices * w.fillers
+
+    def prompt():
+        return [int(t) for t in rng.integers(0, cfg.vocab_size, w.prompt_tokens)]
+    first = prompt()
+    lengths = [int(x) for x in rng.integers(w.filler_min_tokens, w.filler_max_tokens + 1, n_fill)]
+    news = [int(x) for x in rng.integers(1, w.filler_max_new_tokens + 1, n_fill)]
     fillers = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in lengths]
-    return prompt, fillers, news
+    return [first] + [prompt() for _ in range(w.devices - 1)], fillers, news
 
 
-def dry_run(w: Workload, num_blocks: int, model=None) -> dict:
-    """The workload's scheduling and block allocation without the model.
+def dry_run(w: Workload, num_blocks: int, model=None, mesh=None) -> dict:
+    """The workload's scheduling, placement and block allocation without the model.
 
-    Block allocation does not depend on the generated token values (fillers are
-    random, so they never hit each other's blocks), so this predicts the real
-    run's allocations. Returns evictions and whether the re-hit reused the
-    prompt's original blocks in every round.
+    Block allocation and placement do not depend on the generated token values
+    (fillers are random, so they never hit each other's blocks), so this predicts
+    the real run's allocations. Returns evictions (all shards) and whether every
+    re-hit reused its prompt's original blocks on the prompt's shard in every round.
     """
     from .model import Decoder
     model = model if model is not None else Decoder.random(w.model_config, seed=w.seed)
-    prompt, fillers, news = draw_requests(w)
+    prompts, fillers, news = draw_requests(w)
     bs = w.model_config.indexer.block_size
-    eng = _engine(w, model, num_blocks, dry_run=True)
-    first = []
+    eng = engine_for(w, model, num_blocks, workload_mesh(w) if mesh is None else mesh, dry_run=True)
+    first = {}
 
     def on_step(e):
-        if not first and e.get_output("prompt").num_computed_tokens >= len(prompt):
-            first.append(e.request_blocks("prompt")[0][:len(prompt) // bs])
-    hits = _drive(eng, w, prompt, fillers, news, on_step)
-    resident = bool(first) and all(h is not None and list(h) == list(first[0]) for h in hits)
-    return dict(evictions=eng.block_pool.evictions, prompt_resident=resident, steps=eng.steps)
+        for s, p in enumerate(prompts):
+            out = None if s in first else e.get_output(prompt_id(s))
+            if out is not None and out.num_computed_tokens >= len(p):
+                first[s] = (out.shard, e.request_blocks(prompt_id(s))[0][:len(p) // bs])
+    hits = _drive(eng, w, prompts, fillers, news, on_step)
+    resident = len(first) == len(prompts) and all(
+        h is not None and h[0] == first[s][0] and list(h[1]) == list(first[s][1])
+        for row in hits for s, h in enumerate(row))
+    return dict(evictions=eng.stats()["evictions"], prompt_resident=resident, steps=eng.steps)
 
 
-def plan_num_blocks(w: Workload, model=None) -> int:
-    """The smallest pool (most evictions) with which the prompt stays cached in every
-    round: a binary search with dry runs below the conservative ``auto_num_blocks``."""
-    prompt, fillers, news = draw_requests(w)
+def plan_num_blocks(w: Workload, model=None, mesh=None) -> int:
+    """The smallest pool per shard (most evictions) with which every prompt stays
+    cached in every round: a binary search with dry runs below the conservative
+    ``auto_num_blocks``."""
+    prompts, fillers, news = draw_requests(w)
     bs = w.model_config.indexer.block_size
+    mesh = workload_mesh(w) if mesh is None else mesh
     hi = auto_num_blocks(w, [len(f) for f in fillers], news)
     need = max([w.prompt_tokens + w.prompt_max_new_tokens] + [len(f) + m for f, m in zip(fillers, news)])
     lo = min(hi, _blocks(need, bs) + 2)                           # the largest request must fit alone
     while lo < hi:
         mid = (lo + hi) // 2
-        if dry_run(w, mid, model)["prompt_resident"]:
+        if dry_run(w, mid, model, mesh)["prompt_resident"]:
             hi = mid
         else:
             lo = mid + 1
     return hi
 
 
-def run_workload(w: Workload, *, progress: bool = False) -> dict:
-    """Run the probe; returns the report dict (see ``format_table``)."""
+class _WatchedBytes:
+    """The watched byte ranges of one shard's cache, gathered on that device (only
+    these bytes come to the host, not the whole cache)."""
+
+    def __init__(self, eng, shard: int, ranges_bytes):
+        import jax
+        import numpy as np
+        from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
+
+        from . import sharding
+        words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in ranges_bytes])
+        device = next(iter(sharding.device_shard(eng.cache, shard).devices()))
+        self.shard = shard
+        self.rows, self.cols = jax.device_put(((words // VIEW_COLS).astype(np.int32),         # [n] each
+                                               (words % VIEW_COLS).astype(np.int32)), device)
+        self._gather = jax.jit(lambda c, r, k: c.reshape(-1, VIEW_COLS)[r, k])
+
+    def read(self, eng):
+        """The watched bytes now: uint8[sum of range lengths]."""
+        import numpy as np
+
+        from . import sharding
+        return np.asarray(self._gather(sharding.device_shard(eng.cache, self.shard), self.rows,
+                                       self.cols)).view(np.uint8)
+
+
+def _shard_summary(d, probes, rounds, st_shard, run_s) -> dict:
+    """Probe result, tokens and evictions of shard d."""
+    mine = [pr for pr in probes if pr["shard"] == d]
+    rr = [x for x in rounds if x["shard_of_prompt"] == d]
+    processed = st_shard["prefill_tokens"] + st_shard["decode_tokens"]
+    changed = [pr["first_change_step"] for pr in mine if pr["first_change_step"] is not None]
+    out = dict(
+        shard=d, prompts=[pr["prompt"] for pr in mine],
+        watched_blocks=[b for pr in mine for b in pr["blocks"]],
+        watched_bytes=sum(e - a for pr in mine for a, e in pr["watched"]),
+        bytes_changed=sum(pr["max_changed"] for pr in mine), pages_changed=sum(pr["changed_pages"] for pr in mine),
+        first_change_step=min(changed) if changed else None,
+        rehits_equal_control=all(x["outputs_equal"] and x["selected_equal"] for x in rr),
+        rehit_pools_equal_control=all(x["pools_equal"] for x in rr),
+        prompt_stayed_cached=bool(rr) and all(x["prompt_resident"] for x in rr),
+        requests=st_shard["admitted"], processed_tokens=processed,
+        generated_tokens=st_shard["generated_tokens"], tokens_per_s=processed / run_s,
+        generated_tokens_per_s=st_shard["generated_tokens"] / run_s,
+        evictions=st_shard["evictions"], prefix_hit_tokens=st_shard["hit_tokens"])
+    out["ok"] = (out["bytes_changed"] == 0 and out["rehits_equal_control"] and out["rehit_pools_equal_control"]
+                 and out["prompt_stayed_cached"] and out["watched_bytes"] > 0)
+    return out
+
+
+def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
+    """Run the probe on ``w.devices`` devices (or on ``mesh``); returns the report
+    dict (see ``format_table``): totals at the top level, one entry per device
+    shard in ``shards``."""
     import numpy as np
 
     from .model import Decoder
@@ -251,83 +359,84 @@ def run_workload(w: Workload, *, progress: bool = False) -> dict:
     cfg = w.model_config
     idx = cfg.indexer
     bs = idx.block_size
+    mesh = workload_mesh(w) if mesh is None else mesh
     model = Decoder.random(cfg, seed=w.seed)
-    prompt, fillers, news = draw_requests(w)
-    num_blocks = w.num_blocks or plan_num_blocks(w, model)
-    eng = _engine(w, model, num_blocks)
+    prompts, fillers, news = draw_requests(w)
+    num_blocks = w.num_blocks or plan_num_blocks(w, model, mesh)
+    eng = engine_for(w, model, num_blocks, mesh)
     lay = eng.layout
-    bar = _Progress(1 + w.fillers + 2 * w.rounds, enabled=progress)
-    probe = dict(watched=None, snapshot=None, blocks=None, max_changed=0, first_change_step=None,
-                 changed_pages=0)
-
-    def read(ranges):
-        raw = eng.cache_bytes()
-        return [raw[a:e].copy() for a, e in ranges]
+    bar = _Progress(len(prompts) * (1 + 2 * w.rounds) + len(fillers), enabled=progress)
+    probes = [dict(prompt=s, shard=None, blocks=[], watched=[], reader=None, snapshot=None, max_changed=0,
+                   first_change_step=None, changed_pages=0) for s in range(len(prompts))]
 
     def on_step(e):
-        if probe["watched"] is None:
-            out = e.get_output("prompt")
-            if out.num_computed_tokens >= len(prompt) and out.status == "running":
-                probe["blocks"] = e.request_blocks("prompt")[0][:len(prompt) // bs]
-                probe["watched"] = [lay.block_byte_range(layer, b) for layer in range(lay.num_layers)
-                                    for b in probe["blocks"]]
-                probe["snapshot"] = read(probe["watched"])
-        else:
-            now = read(probe["watched"])
-            changed = sum(int((a != b).sum()) for a, b in zip(now, probe["snapshot"]))
-            if changed and probe["first_change_step"] is None:
-                probe["first_change_step"] = e.steps
-            probe["max_changed"] = max(probe["max_changed"], changed)
-            pages = sum(int((a != b).reshape(-1, idx.page_bytes).any(axis=1).sum())
-                        for a, b in zip(now, probe["snapshot"]))
-            probe["changed_pages"] = max(probe["changed_pages"], pages)
-        done = sum(1 for o in e.outputs.values() if o.status == "finished")
-        bar.update(done, f"step {e.steps}, {e.block_pool.evictions} evictions")
+        for s, pr in enumerate(probes):
+            if pr["reader"] is None:
+                out = e.get_output(prompt_id(s))
+                if out.num_computed_tokens >= len(prompts[s]) and out.status == "running":
+                    pr["shard"] = out.shard
+                    pr["blocks"] = e.request_blocks(prompt_id(s))[0][:len(prompts[s]) // bs]
+                    pr["watched"] = [lay.block_byte_range(layer, b) for layer in range(lay.num_layers)
+                                     for b in pr["blocks"]]
+                    pr["reader"] = _WatchedBytes(e, out.shard, pr["watched"])
+                    pr["snapshot"] = pr["reader"].read(e)
+                continue
+            diff = pr["reader"].read(e) != pr["snapshot"]
+            changed = int(diff.sum())
+            if changed and pr["first_change_step"] is None:
+                pr["first_change_step"] = e.steps
+            pr["max_changed"] = max(pr["max_changed"], changed)
+            pr["changed_pages"] = max(pr["changed_pages"], int(diff.reshape(-1, idx.page_bytes).any(axis=1).sum()))
+        bar.update(e.num_finished(), f"step {e.steps}, {sum(p.evictions for p in e.block_pools)} evictions")
 
     if progress:
-        print(f"simulate: {num_blocks} blocks planned; the first step compiles the whole model "
-              f"(tens of seconds on CPU) ...", file=sys.stderr, flush=True)
+        print(f"simulate: {num_blocks} blocks per device planned, {eng.num_shards} device(s); the first step "
+              f"compiles the whole model (tens of seconds on CPU) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    hits = _drive(eng, w, prompt, fillers, news, on_step)
+    hits = _drive(eng, w, prompts, fillers, news, on_step)
     wall = time.perf_counter() - t0
     bar.close()
     rounds = []
-    for r, items in enumerate(_split_rounds(list(range(w.fillers)), w.rounds)):
-        rh, ct = eng.get_output(f"rehit{r}"), eng.get_output(f"control{r}")
-        common = sorted(set(rh.selected_tokens) & set(ct.selected_tokens))
-        sel_equal = bool(common) and all(
-            np.array_equal(_sorted_rows(rh.selected_tokens[p]), _sorted_rows(ct.selected_tokens[p]))
-            for p in common)
-        pools_equal = all(np.array_equal(la["pool_keys"], lb["pool_keys"])
-                          and np.array_equal(la["pool_scales"], lb["pool_scales"])
-                          for la, lb in zip(rh.snapshot["layers"], ct.snapshot["layers"]))
-        rounds.append(dict(
-            round=r, fillers=len(items), rehit_cached_tokens=rh.num_cached_tokens,
-            control_cached_tokens=ct.num_cached_tokens,
-            prompt_resident=hits[r] is not None and list(hits[r]) == list(probe["blocks"] or []),
-            outputs_equal=rh.output_tokens == ct.output_tokens,
-            selected_equal=sel_equal, selected_rows_compared=len(common), pools_equal=pools_equal))
+    for r, items in enumerate(_split_rounds(list(range(len(fillers))), w.rounds)):
+        for s, pr in enumerate(probes):
+            rh, ct = eng.get_output(rehit_id(r, s)), eng.get_output(control_id(r, s))
+            common = sorted(set(rh.selected_tokens) & set(ct.selected_tokens))
+            sel_equal = bool(common) and all(
+                np.array_equal(_sorted_rows(rh.selected_tokens[p]), _sorted_rows(ct.selected_tokens[p]))
+                for p in common)
+            pools_equal = all(np.array_equal(la["pool_keys"], lb["pool_keys"])
+                              and np.array_equal(la["pool_scales"], lb["pool_scales"])
+                              for la, lb in zip(rh.snapshot["layers"], ct.snapshot["layers"]))
+            rounds.append(dict(
+                round=r, prompt=s, shard_of_prompt=pr["shard"], rehit_shard=rh.shard, control_shard=ct.shard,
+                fillers=len(items), rehit_cached_tokens=rh.num_cached_tokens,
+                control_cached_tokens=ct.num_cached_tokens,
+                prompt_resident=hits[r][s] is not None and hits[r][s][0] == pr["shard"]
+                and list(hits[r][s][1]) == list(pr["blocks"]),
+                outputs_equal=rh.output_tokens == ct.output_tokens,
+                selected_equal=sel_equal, selected_rows_compared=len(common), pools_equal=pools_equal))
     st = eng.stats()
+    run_s = max(wall - st["compile_step_seconds"], 1e-9)
+    shards = [_shard_summary(d, probes, rounds, st["shards"][d], run_s) for d in range(eng.num_shards)]
     processed = st["prefill_tokens"] + st["decode_tokens"]
+    changed = [s["first_change_step"] for s in shards if s["first_change_step"] is not None]
     report = dict(
-        device=_backend(), implementation=eng.implementation, fault=w.fault,
+        device=_backend(), devices=eng.num_shards, implementation=eng.implementation, fault=w.fault,
         seed=w.seed, layers=lay.num_layers, num_blocks=num_blocks, block_size_tokens=bs, kpool=idx.kpool,
-        topk_tokens=idx.topk, prompt_tokens=len(prompt), watched_blocks=list(probe["blocks"] or []),
-        watched_bytes=sum(e - a for a, e in (probe["watched"] or [])),
-        bytes_changed=probe["max_changed"], pages_changed=probe["changed_pages"],
-        first_change_step=probe["first_change_step"], rounds=rounds, fillers=w.fillers,
+        topk_tokens=idx.topk, prompt_tokens=w.prompt_tokens,
+        watched_blocks=[b for s in shards for b in s["watched_blocks"]],
+        watched_bytes=sum(s["watched_bytes"] for s in shards),
+        bytes_changed=sum(s["bytes_changed"] for s in shards), pages_changed=sum(s["pages_changed"] for s in shards),
+        first_change_step=min(changed) if changed else None, rounds=rounds, fillers=len(fillers),
         concurrency=w.concurrency, steps=st["steps"], compilations=st["compilations"],
         shapes=st["shapes"], evictions=st["evictions"], prefix_hit_tokens=st["hit_tokens"],
         processed_tokens=processed, generated_tokens=st["generated_tokens"], wall_s=wall,
-        compile_step_s=st["compile_step_seconds"],
-        tokens_per_s=processed / max(wall - st["compile_step_seconds"], 1e-9),
-        generated_tokens_per_s=st["generated_tokens"] / max(wall - st["compile_step_seconds"], 1e-9))
-    report["rehits_equal_control"] = all(r["outputs_equal"] and r["selected_equal"] for r in rounds)
-    report["rehit_pools_equal_control"] = all(r["pools_equal"] for r in rounds)
-    report["prompt_stayed_cached"] = all(r["prompt_resident"] for r in rounds)
-    report["ok"] = (report["bytes_changed"] == 0 and report["rehits_equal_control"]
-                    and report["rehit_pools_equal_control"] and report["prompt_stayed_cached"]
-                    and report["watched_bytes"] > 0)
+        compile_step_s=st["compile_step_seconds"], tokens_per_s=processed / run_s,
+        generated_tokens_per_s=st["generated_tokens"] / run_s, shards=shards)
+    report["rehits_equal_control"] = all(s["rehits_equal_control"] for s in shards)
+    report["rehit_pools_equal_control"] = all(s["rehit_pools_equal_control"] for s in shards)
+    report["prompt_stayed_cached"] = all(s["prompt_stayed_cached"] for s in shards)
+    report["ok"] = all(s["ok"] for s in shards)
     return report
 
 
@@ -339,19 +448,27 @@ def _backend() -> str:
 def format_table(rep: dict) -> str:
     yes = lambda b: "yes" if b else "NO"                                          # noqa: E731
     lines = [
-        f"kpool cache probe (spec 6.1): {rep['device']}, implementation {rep['implementation']}, "
-        f"fault {rep['fault'] or 'none'}, seed {rep['seed']}",
-        f"  {rep['layers']} layers x {rep['num_blocks']} blocks of {rep['block_size_tokens']} tokens, "
-        f"kpool {rep['kpool']}, topk {rep['topk_tokens']} tokens; prompt {rep['prompt_tokens']} tokens, "
-        f"{rep['fillers']} fillers, concurrency {rep['concurrency']}",
+        f"kpool cache probe (spec 6.1): {rep['device']} x {rep['devices']}, implementation "
+        f"{rep['implementation']}, fault {rep['fault'] or 'none'}, seed {rep['seed']}",
+        f"  {rep['layers']} layers x {rep['num_blocks']} blocks of {rep['block_size_tokens']} tokens per device, "
+        f"kpool {rep['kpool']}, topk {rep['topk_tokens']} tokens; {rep['devices']} prompt(s) of "
+        f"{rep['prompt_tokens']} tokens, {rep['fillers']} fillers, concurrency {rep['concurrency']} per device",
         "",
-        f"  {'round':>5} {'fillers':>7} {'hit tokens':>10} {'resident':>8} {'outputs':>7} "
-        f"{'selected':>8} {'pools':>5}",
+        f"  {'round':>5} {'prompt':>6} {'shard':>5} {'fillers':>7} {'hit tokens':>10} {'resident':>8} "
+        f"{'outputs':>7} {'selected':>8} {'pools':>5}",
     ]
     for r in rep["rounds"]:
-        lines.append(f"  {r['round']:>5} {r['fillers']:>7} {r['rehit_cached_tokens']:>10} "
-                     f"{yes(r['prompt_resident']):>8} {yes(r['outputs_equal']):>7} "
+        lines.append(f"  {r['round']:>5} {r['prompt']:>6} {str(r['rehit_shard']):>5} {r['fillers']:>7} "
+                     f"{r['rehit_cached_tokens']:>10} {yes(r['prompt_resident']):>8} {yes(r['outputs_equal']):>7} "
                      f"{yes(r['selected_equal']):>8} {yes(r['pools_equal']):>5}")
+    lines += ["", f"  {'device':>6} {'requests':>8} {'tokens':>9} {'tokens/s':>10} {'gen/s':>8} "
+                  f"{'evictions':>9} {'watched B':>10} {'changed B':>9} {'resident':>8} {'re-hits':>7} {'probe':>5}"]
+    for s in rep["shards"] + [dict(rep, shard="total", requests=sum(x["requests"] for x in rep["shards"]))]:
+        lines.append(f"  {s['shard']:>6} {s['requests']:>8} {s['processed_tokens']:>9,} {s['tokens_per_s']:>10.1f} "
+                     f"{s['generated_tokens_per_s']:>8.1f} {s['evictions']:>9} {s['watched_bytes']:>10,} "
+                     f"{s['bytes_changed']:>9,} {yes(s['prompt_stayed_cached']):>8} "
+                     f"{yes(s['rehits_equal_control'] and s['rehit_pools_equal_control']):>7} "
+                     f"{'PASS' if s['ok'] else 'FAIL':>5}")
     lines += [
         "",
         f"  watched: blocks {rep['watched_blocks']} ({rep['watched_bytes']:,} B of indexer pages, all layers)",
@@ -382,24 +499,30 @@ def main(argv=None) -> int:
         prog=f"{_prog()} simulate",
         description="Serve the spec 6.1 workload (cached system prompt, churn of fillers with evictions, "
                     "re-hits vs cache_salt controls) and report whether the cached prompt's indexer "
-                    "pages changed. Exit code 0 = every check passed, 1 = a check failed.")
+                    "pages changed; with --devices N, N times over on N devices (one cache shard and "
+                    "one cached prompt each), reported per device. Exit code 0 = every check passed, "
+                    "1 = a check failed.")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="size preset: cpu (small, default) or gpu (GLM sizes: topk 2048, blocks of 1152)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--inject-fault", choices=FAULTS, default=None,
                    help="serve with a historical bug (dense-tail-stride = spec B1) to see the probe catch it")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fillers", type=_pos_int, default=None, help="filler requests in total")
+    p.add_argument("--fillers", type=_pos_int, default=None, help="filler requests per device")
     p.add_argument("--rounds", type=_pos_int, default=None, help="re-hit rounds")
-    p.add_argument("--concurrency", type=_pos_int, default=None, help="requests running at once")
+    p.add_argument("--concurrency", type=_pos_int, default=None, help="requests running at once per device")
     p.add_argument("--prompt-tokens", type=_pos_int, default=None, help="system prompt length")
-    p.add_argument("--num-blocks", type=_pos_int, default=None, help="block ids (default: sized to evict)")
+    p.add_argument("--num-blocks", type=_pos_int, default=None,
+                   help="block ids per device (default: sized to evict)")
+    p.add_argument("--devices", type=_pos_int, default=1,
+                   help="devices, one cache shard each; the workload is per device (weak scaling, default 1)")
     p.add_argument("--implementation", choices=("xla", "pallas"), default=None,
                    help="default: pallas on GPU, xla elsewhere")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
     over = {k: v for k, v in dict(fillers=args.fillers, rounds=args.rounds, concurrency=args.concurrency,
-                                   prompt_tokens=args.prompt_tokens, num_blocks=args.num_blocks).items()
+                                   prompt_tokens=args.prompt_tokens, num_blocks=args.num_blocks,
+                                   devices=args.devices).items()
             if v is not None}
     if args.device == "gpu" and _backend() != "gpu":
         print(f"simulate: note: the gpu preset on a {_backend()} backend is slow (minutes to hours)",

@@ -102,6 +102,8 @@ BAD = [
     (["demo", "--implementation", "cuda"], "invalid choice"),
     (["demo", "--decode-steps", "0"], "--decode-steps"),
     (["demo", "--kpool", "16"], "tail ring larger"),
+    (["simulate", "--devices", "0"], "must be >= 1"),
+    (["simulate", "--devices", "64", "--no-progress"], "64 devices requested but jax sees"),
     (["frobnicate"], "invalid choice"),
     ([], "a COMMAND is required"),
 ]

@@ -411,3 +411,16 @@ def test_block_pool_per_shard_state():
     pools[0].admit("r", [1, 2, 3], 4)
     assert pools[0].requests() == ["r"] and pools[1].requests() == []
     assert pools[1].stats()["shard"] == 1
+
+
+def test_step_updates_the_cache_in_place(rng):
+    """The one-device step (the N = 1 case of the sharded step) keeps the donated cache
+    in place: no copy of it in the compiled program, the same device buffer after a step."""
+    from glm5_jax import sharding
+    e = make_engine(random_model(rng))
+    e.add_request("r", tokens(rng, int(rng.integers(20, 120))), 3)
+    ptr = e.cache.addressable_shards[0].data.unsafe_buffer_pointer()
+    e.step()
+    assert e.cache.addressable_shards[0].data.unsafe_buffer_pointer() == ptr
+    t = sharding.cache_traffic(e.lower_step(next(iter(e.shapes_seen))).compile().as_text(), e.layout)
+    assert t == dict(cross_device=[], cache_copies=[], cache_aliased=True), t
