@@ -174,9 +174,10 @@ def bench_topk(rows, n, k, reps, trials):
 
 
 LOGITS_SWEEP = [(1, 8, 4), (2, 4, 4), (4, 2, 4), (8, 1, 4), (4, 2, 8), (8, 1, 8), (8, 2, 8), (16, 1, 8)]
-TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (2048, 264, 4, 4), (4096, 264, 4, 4),
-              (4096, 528, 4, 8), (2048, 132, 4, 4), (8192, 264, 4, 8), (1024, 528, 4, 4),
-              (2048, 264, 2, 4), (2048, 264, 8, 4)]
+# (score_chunk, target_programs, buckets_per_k, num_warps); the first GPU sweep
+# (docs/results/2026-11-30_s2_bench_read_sweep_run2.txt) ranked 10 shapes: larger
+# chunks and 8 warps lost, the pre-filter won 1.37x; these are the ones left open
+TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528, 4, 4)]
 
 
 def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
@@ -201,11 +202,9 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
         sec = time_read(f, (cache, q8, w, table, ctx), reps, trials, fixed=1) if ok else float("nan")
         rows.append(dict(kind="sweep", case=f"logits B={batch} ctx={ctx_tokens // 1024}k",
                          impl=f"G={v[0]} steps={v[1]} warps={v[2]}" + ("" if ok else " WRONG"), s=sec, ok=ok))
-    lg = jnp.asarray(want).reshape(batch, -1)
-    cases = [(f"topk [{batch}, {lg.shape[1]}]", lg, ctx.reshape(-1), cfg.topk_pools)]
     r_, n_, k_ = topk_case
     x = jax.random.normal(jax.random.PRNGKey(7), (r_, n_), jnp.float32)
-    cases.append((f"topk [{r_}, {n_}] k={k_}", x, jnp.full((r_,), n_, jnp.int32), k_))
+    cases = [(f"topk [{r_}, {n_}] k={k_}", x, jnp.full((r_,), n_, jnp.int32), k_)]
     for name, sc, ln, k in cases:
         ref_ids = np.asarray(ops.topk_pools(sc, ln, k, implementation="xla"))
         for v in (TOPK_SWEEP[:2] if quick else TOPK_SWEEP):
