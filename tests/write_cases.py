@@ -1,0 +1,151 @@
+"""Shared cases of the write-kernel tests: layouts, random workloads, the
+prefill-then-decode run and the padded-stride regression.
+
+Used by test_write_kernels.py (Pallas vs XLA), test_triton.py (Triton vs XLA) and
+the interpreter dev script tests/scripts/triton_dev_check.py, so every
+implementation is held to the same cases.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import ops
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+from glm5_jax.testing import Scenario
+
+SENTINEL = 0xA5
+
+# Pairwise coverage: every kpool {4, 16}, ring {kpool, 2*kpool}, page_rows {32, 64},
+# attention region {absent, present} and 1- / 3-layer layouts appears, in 4 cases
+# instead of the 16 of the full product (interpret mode costs ~30 s a case on CI).
+CASES = [
+    pytest.param(dict(kpool=4, num_spec_tokens=0, block_size=1152), dict(num_layers=1, attn_block_bytes=0, layer=0),
+                 id="R4-ring4-P32-1layer"),
+    pytest.param(dict(kpool=4, num_spec_tokens=1, block_size=512), dict(num_layers=3, attn_block_bytes=1056, layer=1),
+                 id="R4-ring8-P64-3layers-attn"),
+    pytest.param(dict(kpool=16, num_spec_tokens=0, block_size=1536), dict(num_layers=3, attn_block_bytes=1056, layer=2),
+                 id="R16-ring16-P32-3layers-attn"),
+    pytest.param(dict(kpool=16, num_spec_tokens=1, block_size=2048), dict(num_layers=1, attn_block_bytes=0, layer=0),
+                 id="R16-ring32-P64-1layer"),
+]
+
+
+def as_bytes(cache) -> np.ndarray:
+    return np.asarray(cache).view(np.uint8)
+
+
+def ops_writers(impl):
+    """The three writers of glm5_jax.ops with `implementation=impl`, as run_writes expects."""
+    return dict(
+        compress=lambda c, lay, l, k, g, a, s: ops.compress_prefill(c, lay, l, k, g, a, s, implementation=impl),
+        seed=lambda c, lay, l, k, g, t: ops.seed_tail(c, lay, l, k, g, t, implementation=impl),
+        decode=lambda c, lay, l, k, g, a, s, t, p: ops.decode_update(c, lay, l, k, g, a, s, t, p,
+                                                                     implementation=impl),
+    )
+
+
+def random_workload(rng, cfg: dict, lay: dict):
+    """A layout of the case and a random workload on it.
+
+    Returns (layout, scenario, prefill batch, decode steps, tokens per request after
+    the last step): three requests (one of at least 3 pools + 1), a padded flat
+    prefill, then two decode steps of up to 2 * kpool tokens each, uneven per request.
+    """
+    config = IndexerConfig(**cfg)
+    layout = CacheLayout(config, num_layers=lay["num_layers"], num_blocks=12,
+                         attn_block_bytes=lay["attn_block_bytes"])
+    R = config.kpool
+    lengths = [int(x) for x in rng.integers(1, 6 * R + 3, size=3)]
+    lengths[0] = max(lengths[0], 3 * R + 1)                   # at least one long request
+    sc = Scenario.random(rng, layout, [L + 2 * R for L in lengths], layer=lay["layer"])
+    pre = sc.prefill(lengths, pad_to=sum(lengths) + int(rng.integers(0, 5)))
+    width = 2 * R
+    starts, steps = list(lengths), []
+    for _ in range(2):
+        counts = [int(rng.integers(0, min(width, r.length_tokens - s0) + 1))
+                  for r, s0 in zip(sc.requests, starts)]
+        steps.append(sc.decode(starts, counts, width))
+        starts = [s + n for s, n in zip(starts, counts)]
+    return layout, sc, pre, steps, starts
+
+
+def run_writes(writers, layout, layer, sc, pre, steps):
+    """compress_prefill + seed_tail of `pre`, then decode_update of each step, on a
+    sentinel-filled cache. Returns (final cache, byte snapshot after each stage)."""
+    cache = layout.allocate(SENTINEL)
+    ape = jnp.asarray(sc.ape)
+    cache = writers["compress"](cache, layout, layer, jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]),
+                                ape, jnp.asarray(pre["slot_mapping"]))
+    cache = writers["seed"](cache, layout, layer, jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]),
+                            jnp.asarray(pre["tslot"]))
+    snaps = [as_bytes(cache).copy()]
+    for st in steps:
+        cache = writers["decode"](cache, layout, layer, jnp.asarray(st["key"]), jnp.asarray(st["gate"]), ape,
+                                  jnp.asarray(st["slot_mapping"]), jnp.asarray(st["tslot"]),
+                                  jnp.asarray(st["positions"]))
+        snaps.append(as_bytes(cache).copy())
+    return cache, snaps
+
+
+def assert_same_snapshots(want, got):
+    for i, (a, b) in enumerate(zip(want, got)):
+        diff = np.nonzero(a != b)[0]
+        assert diff.size == 0, f"after step {i}: {diff.size} bytes differ, first at byte {diff[0]}"
+
+
+def check_padded_stride(rng, seed_strides, fault):
+    """Spec B1 through a seed kernel taking (cache, strides, key, gate, tslot): with the
+    real strides only the own tail blocks (18 and 200) change; with the injected dense
+    stride the own blocks stay sentinel and other requests' indexer bytes change."""
+    from glm5_jax import reference as ref
+    config = IndexerConfig()                                   # 1152-token blocks, ring 4
+    layout = CacheLayout(config, num_layers=1, num_blocks=256)
+    s = layout.strides(0, fault=fault)
+    blocks = [18, 200]
+    key = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16)
+    tslot = jnp.asarray([b * config.ring + p for b in blocks for p in range(4)], jnp.int32)
+    got = as_bytes(seed_strides(layout.allocate(SENTINEL), s, key, gate, tslot))
+    want = as_bytes(ref.seed_tail_strides(layout.allocate(SENTINEL), s, key, gate, tslot))
+    np.testing.assert_array_equal(got, want)
+    changed = np.nonzero(got != SENTINEL)[0]
+    own = np.zeros(got.size, bool)
+    for b in blocks:
+        a, _ = layout.block_byte_range(0, b)
+        own[a:a + config.tail_block_bytes] = True
+    if fault is None:
+        assert changed.size > 0 and own[changed].all()
+        assert np.array_equal(changed, np.nonzero(own & (got != SENTINEL))[0])
+    else:
+        assert changed.size > 0 and not own[changed].any()
+        # dense addresses: block b at b * 2 * ring * 256 bytes (18 -> 36864, 200 -> 409600)
+        hit = set(changed.tolist())
+        assert 36864 in hit and 409600 in hit and changed.min() == 36864
+
+
+def request_ends_case(rng, kpool: int):
+    """A flat prefill for seed_tail's request_ends mode: a long request, requests shorter
+    than kpool (their last-kpool window reaches into the previous request), one ending on
+    a pool boundary, padding rows, and padding entries (0, -1) in request_ends.
+    Returns (layout, layer, (key, gate, tslot), request_ends [N] i32)."""
+    cfg = IndexerConfig(kpool=kpool, block_size=512 if kpool == 4 else 2048)
+    layout = CacheLayout(cfg, num_layers=2, num_blocks=14)
+    lengths = [int(rng.integers(3 * kpool, 5 * kpool)), int(rng.integers(1, kpool)), 1, 2 * kpool,
+               int(rng.integers(1, 3 * kpool))]
+    sc = Scenario.random(rng, layout, lengths, layer=1)
+    pre = sc.prefill(lengths, pad_to=sum(lengths) + int(rng.integers(0, 6)))
+    ends = np.concatenate([np.cumsum(lengths), [0, -1]]).astype(np.int32)
+    return layout, 1, tuple(jnp.asarray(pre[k]) for k in ("key", "gate", "tslot")), jnp.asarray(ends)
+
+
+def tile_case(rng):
+    """A flat prefill whose pools straddle every compression tile size: (layout, key, gate, ape, slot_mapping)."""
+    layout = CacheLayout(IndexerConfig(block_size=512), num_layers=1, num_blocks=12)
+    lengths = [int(x) for x in rng.integers(1, 40, size=4)]
+    sc = Scenario.random(rng, layout, lengths)
+    pre = sc.prefill(lengths, pad_to=sum(lengths) + int(rng.integers(0, 9)))
+    return (layout, jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]), jnp.asarray(sc.ape),
+            jnp.asarray(pre["slot_mapping"]))
