@@ -1,11 +1,14 @@
-"""Benchmark of the cache-write kernels: Pallas vs the XLA reference, as ratios.
+"""Benchmark of the cache-write kernels: Pallas, Triton (jax_triton) and the XLA reference, as ratios.
 
-Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/bench_writes.py [--quick] [--json out.json]
+Usage (on the H200):
+    PYTHONPATH=$PWD python benchmarks/bench_writes.py [--quick] [--impls pallas,triton,xla] [--json out.json]
 
-For each case it prints the time per call, the bytes the op must move (each
-input read once, each output written once), the achieved fraction of the
-device-to-device copy bandwidth measured in this run, the ratio to an empty
-Pallas launch, and the speed-up over the XLA reference.
+For each case and implementation it prints the time per call, the bytes the op
+must move (each input read once, each output written once), the achieved
+fraction of the device-to-device copy bandwidth measured in this run, the ratio
+to an empty Pallas launch, and the speed-up over the XLA reference (when "xla"
+is among --impls). All implementations run the same sizes in one run; "triton"
+is skipped with a note where it cannot run (no GPU, or jax_triton missing).
 """
 from __future__ import annotations
 
@@ -36,32 +39,37 @@ def prefill_case(rng, total_tokens, n_requests):
     return layout, sc, sc.prefill([per] * n_requests)
 
 
-def bench_prefill(rng, total_tokens, n_requests, bw, reps):
+def bench_prefill(rng, total_tokens, n_requests, reps, impls):
     layout, sc, pre = prefill_case(rng, total_tokens, n_requests)
     t = pre["key"].shape[0]
     args = [jnp.asarray(pre[k]) for k in ("key", "gate")]
     ape = jnp.asarray(sc.ape)
     slot, tslot = jnp.asarray(pre["slot_mapping"]), jnp.asarray(pre["tslot"])
+    ends = jnp.asarray(np.cumsum([t // n_requests] * n_requests).astype(np.int32))
     pools = int((pre["slot_mapping"] >= 0).sum())
     rows = []
     # compression: read K + gate once (512 B/token) + slot (4 B/token); write 132 B per pool
     comp_bytes = 512 * t + 4 * t + 132 * pools
     res = {}
-    for impl in ("pallas", "xla"):
+    for impl in impls:
         step = lambda c, k, g, a, s, impl=impl: ops.compress_prefill(c, layout, 0, k, g, a, s, implementation=impl)
         res[impl], _ = time_chain(step, layout.allocate(0), *args, ape, slot, reps=reps)
-    rows.append(("compress_prefill", f"{t} tok", res["pallas"], comp_bytes, res["xla"]))
+    rows.append(("compress_prefill", f"{t} tok", res, comp_bytes))
     # seed: tslot of every token (4 B) + K/gate of the last R tokens per request; write 512 B each
     seeded = n_requests * layout.config.kpool
     seed_bytes = 4 * t + 2 * 512 * seeded
-    for impl in ("pallas", "xla"):
-        step = lambda c, k, g, s, impl=impl: ops.seed_tail(c, layout, 0, k, g, s, implementation=impl)
-        res[impl], _ = time_chain(step, layout.allocate(0), *args, tslot, reps=reps)
-    rows.append(("seed_tail", f"{t} tok / {n_requests} req", res["pallas"], seed_bytes, res["xla"]))
+    for name, with_ends in (("seed_tail", False), ("seed_tail+ends", True)):
+        res = {}
+        for impl in impls:
+            kw = dict(request_ends=ends) if with_ends and impl != "xla" else {}
+            step = lambda c, k, g, s, impl=impl, kw=kw: ops.seed_tail(c, layout, 0, k, g, s, implementation=impl,
+                                                                      **kw)
+            res[impl], _ = time_chain(step, layout.allocate(0), *args, tslot, reps=reps)
+        rows.append((name, f"{t} tok / {n_requests} req", res, seed_bytes))
     return rows
 
 
-def bench_decode(rng, batch, next_n, reps):
+def bench_decode(rng, batch, next_n, reps, impls):
     cfg = IndexerConfig(num_spec_tokens=max(0, next_n - 1))
     ctx = 4 * 1152 - 8
     layout = CacheLayout(cfg, num_layers=1, num_blocks=batch * 6 + 2)
@@ -76,43 +84,70 @@ def bench_decode(rng, batch, next_n, reps):
     # read K/gate of each token (512 B) + 12 B metadata, stash 512 B; per completion read (R-1)*512, write 132
     nbytes = batch * next_n * (512 + 12 + 512) + completes * ((cfg.kpool - 1) * 512 + 132)
     res = {}
-    for impl in ("pallas", "xla"):
+    for impl in impls:
         step = lambda c, k, g, a, s, ts, p, impl=impl: ops.decode_update(c, layout, 0, k, g, a, s, ts, p,
                                                                          implementation=impl)
         res[impl], _ = time_chain(step, layout.allocate(0), *args, ape, *meta, reps=reps)
-    return [("decode_update", f"B={batch} next_n={next_n}", res["pallas"], nbytes, res["xla"])]
+    return [("decode_update", f"B={batch} next_n={next_n}", res, nbytes)]
+
+
+def runnable_impls(requested):
+    """The requested implementations that can run here; prints a note for each one skipped."""
+    from pallas_kernels.triton_lang import _call
+    out = []
+    for impl in requested:
+        if impl not in ops.IMPLEMENTATIONS:
+            raise SystemExit(f"unknown implementation {impl!r}; choose from {ops.IMPLEMENTATIONS}")
+        reason = _call.unavailable_reason() if impl == "triton" else None
+        if reason is not None:
+            print(f"note: skipping implementation 'triton': {reason}")
+            continue
+        out.append(impl)
+    if not out:
+        raise SystemExit("no implementation left to run")
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    ap.add_argument("--impls", default="pallas,triton,xla",
+                    help="comma-separated implementations to time (default: pallas,triton,xla)")
     ap.add_argument("--json", help="write the rows as JSON here")
     a = ap.parse_args(argv)
+    impls = runnable_impls([s.strip() for s in a.impls.split(",") if s.strip()])
     rng = np.random.default_rng(0)
     reps = 3 if a.quick else 10
     bw = copy_bandwidth(1 << 24 if a.quick else 1 << 30)
     empty = empty_launch_seconds()
     rows = []
     for total in ((1024,) if a.quick else (4096, 32768, 131072)):
-        rows += bench_prefill(rng, total, 4 if a.quick else 64, bw, reps)
+        rows += bench_prefill(rng, total, 4 if a.quick else 64, reps, impls)
     for b in ((4,) if a.quick else (1, 64, 256)):
         for n in (1, 4):
-            rows += bench_decode(rng, b, n, reps)
-    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+            rows += bench_decode(rng, b, n, reps, impls)
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
+          f"implementations {', '.join(impls)}")
     print(f"copy bandwidth measured now: {bw / 1e12:.2f} TB/s; empty Pallas launch: {empty * 1e6:.2f} us\n")
-    hdr = f"{'kernel':<18}{'case':<24}{'us/call':>10}{'MB moved':>10}{'frac copy BW':>14}{'x empty':>9}{'vs XLA':>9}"
+    hdr = (f"{'kernel':<18}{'case':<24}{'impl':<8}{'us/call':>10}{'MB moved':>10}{'frac copy BW':>14}"
+           f"{'x empty':>9}{'vs XLA':>9}")
     print(hdr)
     print("-" * len(hdr))
     out = []
-    for name, case, t, nbytes, t_xla in rows:
-        frac = nbytes / t / bw
-        print(f"{name:<18}{case:<24}{t * 1e6:>10.2f}{nbytes / 1e6:>10.3f}{frac:>14.3f}{t / empty:>9.2f}{t_xla / t:>8.2f}x")
-        out.append(dict(kernel=name, case=case, us=t * 1e6, bytes=nbytes, frac_copy_bw=frac,
-                        x_empty_launch=t / empty, speedup_vs_xla=t_xla / t))
+    for name, case, res, nbytes in rows:
+        for impl, t in res.items():
+            frac = nbytes / t / bw
+            vs = res["xla"] / t if "xla" in res else None
+            vs_txt = f"{vs:>8.2f}x" if vs is not None else f"{'-':>9}"
+            print(f"{name:<18}{case:<24}{impl:<8}{t * 1e6:>10.2f}{nbytes / 1e6:>10.3f}{frac:>14.3f}"
+                  f"{t / empty:>9.2f}{vs_txt}")
+            out.append(dict(kernel=name, case=case, impl=impl, us=t * 1e6, bytes=nbytes, frac_copy_bw=frac,
+                            x_empty_launch=t / empty, speedup_vs_xla=vs))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
-                           jax=jax.__version__, copy_bw_Bps=bw, empty_launch_s=empty, rows=out), f, indent=1)
+                           jax=jax.__version__, impls=impls, copy_bw_Bps=bw, empty_launch_s=empty, rows=out),
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,30 +7,93 @@ One function per op. Every writer returns the new cache; thread it through and
 ``implementation``:
   * ``"xla"``    the golden reference (``glm5_jax.reference``), any backend;
   * ``"pallas"`` the Pallas kernels (compiled on GPU, interpret mode on CPU);
-  * ``None``     the fastest available correct implementation: Pallas on GPU,
-                 XLA elsewhere (interpret mode is for testing, not speed).
-Both implementations write identical bytes.
+  * ``"triton"`` the write ops only (seed_tail, compress_prefill, decode_update):
+                 kernels in the Triton language called through ``jax_triton``
+                 (``pallas_kernels.triton_lang``). GPU only, and only with the
+                 ``triton`` extra installed; elsewhere it raises
+                 ``TritonUnavailableError`` saying why (no CPU/interpret mode);
+  * ``None``     the first AVAILABLE entry of ``DEFAULT_ORDER`` for the op and
+                 the backend: on GPU pallas -> triton -> xla for the writers and
+                 pallas -> xla for the read ops; XLA elsewhere (interpret mode
+                 is for testing, not speed). "pallas" counts as available on a
+                 GPU backend, "triton" when jax_triton also imports.
+All implementations write identical bytes.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.triton_lang import _call as _triton
+
 from . import reference as ref
 from .layout import CacheLayout
 
-IMPLEMENTATIONS = ("xla", "pallas")
+IMPLEMENTATIONS = ("xla", "pallas", "triton")
+TRITON_OPS = ("seed_tail", "compress_prefill", "decode_update")
+TritonUnavailableError = _triton.TritonUnavailableError
+
+# implementation=None: the first available implementation of this list, per backend
+# (jax.default_backend()) and op; "*" rows are the defaults. ONE table, to be edited
+# from the GPU measurements (benchmarks/bench_writes.py --impls pallas,triton,xla).
+# The "*" op row of a backend is also what default_implementation() gives callers
+# that pick one implementation for every op (the engine, the CLI).
+DEFAULT_ORDER = {
+    "gpu": {
+        "seed_tail":        ("pallas", "triton", "xla"),
+        "compress_prefill": ("pallas", "triton", "xla"),
+        "decode_update":    ("pallas", "triton", "xla"),
+        "*":                ("pallas", "xla"),
+    },
+    "*": {"*": ("xla",)},
+}
 
 
-def default_implementation() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+def _available(impl: str, op: str | None, backend: str) -> bool:
+    """Whether implementation=None may pick `impl` for `op` on `backend`."""
+    if impl == "xla":
+        return True
+    if impl == "pallas":
+        return backend == "gpu"                       # interpret mode is for tests, not a default
+    if impl == "triton":
+        return backend == "gpu" and op in TRITON_OPS and _triton.available()
+    return False
+
+
+def default_implementation(op: str | None = None) -> str:
+    """What ``implementation=None`` runs for `op` on this backend (see DEFAULT_ORDER).
+
+    With op=None: one implementation that every op accepts (the backend's "*" row),
+    for callers that choose once for a whole model.
+    """
+    backend = jax.default_backend()
+    table = DEFAULT_ORDER.get(backend, DEFAULT_ORDER["*"])
+    order = table.get(op, table["*"]) if op is not None else table["*"]
+    for impl in order:
+        if _available(impl, op, backend):
+            return impl
+    return "xla"
 
 
 def _impl(op: str, implementation):
-    impl = default_implementation() if implementation is None else implementation
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
-    return impl
+    if implementation is None:
+        return default_implementation(op)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation == "triton":
+        if op not in TRITON_OPS:
+            raise ValueError(f"{op}: implementation='triton' exists only for the write ops {TRITON_OPS}; "
+                             f"use 'pallas' or 'xla'")
+        _triton.require(op)
+    return implementation
+
+
+def _write_impl(op: str, implementation, interpret):
+    """_impl for the writers, which also reject interpret mode for Triton (jax_triton has none)."""
+    if implementation == "triton" and interpret:
+        raise ValueError(f"{op}: implementation='triton' has no interpret mode (jax_triton compiles for "
+                         f"GPUs only); use implementation='pallas' with interpret=True on CPU")
+    return _impl(op, implementation)
 
 
 def _check(op, name, x, shape, dtypes):
@@ -114,8 +177,12 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
             if (e > t).any():
                 raise ValueError(f"{op}: request_ends must be <= the batch's {t} rows, got max {e.max()}")
     s = _strides(layout, layer, fault)
-    if _impl(op, implementation) == "xla":
+    impl = _write_impl(op, implementation, interpret)
+    if impl == "xla":
         return ref.seed_tail_strides(cache, s, key, gate, tslot)
+    if impl == "triton":
+        from pallas_kernels.triton_lang.tail_seed import seed_tail as triton_kernel
+        return triton_kernel(cache, s, key, gate, tslot, request_ends)
     from pallas_kernels.tail_seed import seed_tail as kernel
     return kernel(cache, s, key, gate, tslot, request_ends, interpret=interpret)
 
@@ -136,8 +203,12 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
     _check(op, "slot_mapping", slot_mapping, (t,), _INT)
     _check_pool_slots(op, slot_mapping, layout, flat_rows=True)
     s = _strides(layout, layer, fault)
-    if _impl(op, implementation) == "xla":
+    impl = _write_impl(op, implementation, interpret)
+    if impl == "xla":
         return ref.compress_prefill_strides(cache, s, key, gate, ape, slot_mapping)
+    if impl == "triton":
+        from pallas_kernels.triton_lang.pool_compress import compress_prefill as triton_kernel
+        return triton_kernel(cache, s, key, gate, ape, slot_mapping)
     from pallas_kernels.pool_compress import compress_prefill as kernel
     return kernel(cache, s, key, gate, ape, slot_mapping, interpret=interpret)
 
@@ -162,8 +233,12 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
         _check(op, name, x, (b, n), _INT)
     _check_pool_slots(op, slot_mapping, layout, flat_rows=False, positions=positions)
     s = _strides(layout, layer, fault)
-    if _impl(op, implementation) == "xla":
+    impl = _write_impl(op, implementation, interpret)
+    if impl == "xla":
         return ref.decode_update_strides(cache, s, key, gate, ape, slot_mapping, tslot, positions)
+    if impl == "triton":
+        from pallas_kernels.triton_lang.decode_update import decode_update as triton_kernel
+        return triton_kernel(cache, s, key, gate, ape, slot_mapping, tslot, positions)
     from pallas_kernels.decode_update import decode_update as kernel
     return kernel(cache, s, key, gate, ape, slot_mapping, tslot, positions, interpret=interpret)
 

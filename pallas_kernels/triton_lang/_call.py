@@ -1,0 +1,119 @@
+"""jax_triton glue: can the Triton kernels run here, and the one ``triton_call`` wrapper.
+
+Nothing in this file imports ``triton`` or ``jax_triton`` at module level, so the
+availability check (and its clear error) works on any machine. ``jax_triton``
+registers its lowering for CUDA and ROCm only: there is no CPU or interpret
+path, so CPU runs (and CI) use ``implementation="pallas"`` (interpret mode) or
+``"xla"`` instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+JAX_TRITON_PIN = "jax-triton==0.3.1"   # the version run on the GPU image (jax 0.11.2, triton 3.6.0)
+
+
+class TritonUnavailableError(RuntimeError):
+    """``implementation="triton"`` was requested where it cannot run."""
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> str | None:
+    """None if ``triton`` and ``jax_triton`` import, else why not (cached per process)."""
+    try:
+        import triton  # noqa: F401
+        import jax_triton  # noqa: F401
+    except Exception as e:          # ImportError; jax_triton raises it without a GPU jaxlib
+        return f"{type(e).__name__}: {e}".strip()
+    return None
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def unavailable_reason() -> str | None:
+    """None when the Triton kernels can run in this process, else a one-line reason."""
+    backend = _backend()
+    if backend != "gpu":
+        return (f"no GPU backend (jax.default_backend() is {backend!r}); jax_triton compiles "
+                f"for CUDA/ROCm only and has no CPU or interpret mode")
+    err = _import_error()
+    if err is not None:
+        return (f"jax_triton is not importable ({err}); install the extra "
+                f"`pip install 'glm5-jax[triton]'` ({JAX_TRITON_PIN}, triton>=3.6)")
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def require(op: str) -> None:
+    """Raise TritonUnavailableError naming `op` and the reason, unless the kernels can run."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise TritonUnavailableError(f"{op}: implementation='triton' is unavailable: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``kernel[grid](*scalars, *arrays, cache_out, **constexprs)``.
+
+    ``arrays[cache_index]`` is the flat uint32 cache; its output aliases it.
+    ``scalars`` are int32 sizes (token / completion counts) passed at run time, so a
+    kernel compiles once per set of constexprs, not once per batch shape. Kernel
+    files build a Launch (``plan``) and ``run`` hands it to jax_triton; the
+    interpreter dev script (tests/scripts/triton_dev_check.py) runs the same Launch
+    with Triton's CPU interpreter, so both see the same arguments and grid.
+    """
+    kernel: Any
+    arrays: tuple
+    cache_index: int
+    grid: tuple
+    num_warps: int
+    name: str
+    constexprs: dict
+    scalars: tuple = ()
+
+    def __post_init__(self):
+        for k, v in self.constexprs.items():
+            if k.startswith("TILE") and (not isinstance(v, int) or v < 1 or v & (v - 1)):
+                raise ValueError(f"{self.name}: {k} must be a power of two (a Triton block shape), got {v!r}")
+        if not isinstance(self.num_warps, int) or self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"{self.name}: num_warps must be a power of two, got {self.num_warps!r}")
+        for i, a in enumerate(self.arrays):
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                raise TypeError(f"{self.name}: array argument {i} must be an array, got {type(a).__name__}")
+        for v in self.scalars:
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
+                raise TypeError(f"{self.name}: scalar arguments must be int32 sizes, got {v!r}")
+
+
+def run(launch: Launch):
+    """Run `launch` through ``jax_triton.triton_call``; returns the new cache.
+
+    The cache's output aliases its input (``input_output_aliases``), so under a jit
+    that donates the cache XLA neither copies nor reallocates it. jax_triton passes
+    the output pointer after all inputs: kernels take ``(..., cache_in, cache, ...)``
+    and read and write through ``cache`` only. The alias index counts array
+    operands only (jax_triton passes scalars as kernel parameters, not operands).
+    """
+    import jax_triton as jt
+    cache = launch.arrays[launch.cache_index]
+    return jt.triton_call(
+        *launch.scalars,
+        *launch.arrays,
+        kernel=launch.kernel,
+        out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        grid=launch.grid,
+        input_output_aliases={launch.cache_index: 0},
+        name=launch.name,
+        num_warps=launch.num_warps,
+        num_stages=1,
+        **launch.constexprs,
+    )

@@ -1,0 +1,200 @@
+"""Triton-language port of ``pallas_kernels.numerics``: the same float operations
+in the same order, so the Triton kernels write the bytes of the XLA reference.
+
+Every function takes tiles of shape [M, 128] (M a power of two; a single row is
+[1, 128]) and is a ``@triton.jit`` helper inlined into the kernels. What makes
+the bits match across backends (see numerics.py and docs/design.md):
+
+* ``mac`` forms c + a*b from four exact 12 x 12-bit partial products, so
+  Triton's default FMA contraction gives the same result as a separate multiply
+  and add; every other product that reaches an add is exact too (n * ln2 parts,
+  powers of two), so contraction never changes a bit.
+* no Triton ``exp``, ``exp2``, ``log2`` or f32 division: ``exp_f32`` (Cody-Waite +
+  degree-9 polynomial + exponent bits) and ``recip_f32`` (bit seed + 4 Newton
+  steps) are built from add, mul, floor and integer bit operations;
+* bf16 rounding, the power-of-two scale and the e4m3 code are integer bit
+  operations, and bf16 -> f32 is a 16-bit shift of the bits;
+* the Hadamard transform pairs (a + b, a - b) per stage in the constant-geometry
+  order of ``numerics.hadamard128``; each output is canonicalised with ``+ 0.0``
+  because XLA's two-element reduction starts from +0 (so an all-zero pair gives
+  +0, never -0, exactly like the reference);
+* min/max clamps propagate NaN like ``jnp.clip`` / ``jnp.maximum``.
+
+Constants are the float32 values the reference uses (its Python floats rounded
+to f32 once, here, with numpy), so Triton never has to round a literal.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from .. import numerics as nm
+
+
+def _f32c(v) -> tl.constexpr:
+    """A float32-exact Python float as a Triton constexpr."""
+    return tl.constexpr(float(np.float32(v)))
+
+
+LOG2E = _f32c(nm.LOG2E)
+LN2_HI = _f32c(nm.LN2_HI)
+LN2_LO = _f32c(nm.LN2_LO)
+INV_SQRT_128 = _f32c(nm.INV_SQRT_128)
+FP8_MAX = _f32c(nm.FP8_MAX)
+AMAX_FLOOR = _f32c(nm.AMAX_FLOOR)
+INV_FP8_MAX = _f32c(1.0 / nm.FP8_MAX)
+EXP_LO = _f32c(-87.0)
+EXP_HI = _f32c(88.0)
+_C = [_f32c(1.0 / math.factorial(k)) for k in range(10)]   # e^r Taylor coefficients
+C0, C1, C2, C3, C4, C5, C6, C7, C8, C9 = _C
+NAN_ALL = tl.constexpr(tl.PropagateNan.ALL)
+
+
+# ---- bit views ----------------------------------------------------------------
+@triton.jit
+def as_u32(x):
+    return x.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def as_f32(u):
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_to_f32(x):
+    """Exact bf16 -> f32 of a bf16 tile (the bits shifted into the high half)."""
+    return as_f32(x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+
+
+# ---- exact-product multiply-add, exp, reciprocal ---------------------------------
+@triton.jit
+def split12(a):
+    """a = hi + lo exactly, each with at most 12 significant bits."""
+    hi = as_f32(as_u32(a) & 0xFFFFF000)
+    return hi, a - hi
+
+
+@triton.jit
+def mac(c, a, b):
+    """c + a*b from four exact partial products (numerics.mac)."""
+    ah, al = split12(a)
+    bh, bl = split12(b)
+    return ((c + ah * bh) + (ah * bl + al * bh)) + al * bl
+
+
+@triton.jit
+def exp_f32(d):
+    """numerics.exp_f32: e**d, clamped to [-87, 88]."""
+    d = tl.minimum(tl.maximum(d, EXP_LO, propagate_nan=NAN_ALL), EXP_HI, propagate_nan=NAN_ALL)
+    t = d * LOG2E
+    n = tl.floor(t)
+    r = (d - n * LN2_HI) - n * LN2_LO
+    p = tl.zeros_like(r) + C9
+    p = mac(C8, p, r)
+    p = mac(C7, p, r)
+    p = mac(C6, p, r)
+    p = mac(C5, p, r)
+    p = mac(C4, p, r)
+    p = mac(C3, p, r)
+    p = mac(C2, p, r)
+    p = mac(C1, p, r)
+    p = mac(C0, p, r)
+    two_n = as_f32(((n.to(tl.int32) + 127) << 23).to(tl.uint32))
+    return p * two_n
+
+
+@triton.jit
+def recip_f32(b):
+    """numerics.recip_f32: 1 / b for positive normal b (bit seed + 4 Newton steps)."""
+    y = as_f32(0x7EF311C3 - as_u32(b))
+    y = y * mac(2.0, -b, y)
+    y = y * mac(2.0, -b, y)
+    y = y * mac(2.0, -b, y)
+    y = y * mac(2.0, -b, y)
+    return y
+
+
+# ---- rounding and quantisation --------------------------------------------------
+@triton.jit
+def round_bf16(x):
+    """numerics.round_bf16: f32 -> nearest bf16 (ties to even) -> f32, integer ops."""
+    u = as_u32(x)
+    u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+    return as_f32(u)
+
+
+@triton.jit
+def e4m3_code(v):
+    """numerics.e4m3_bits as uint32 codes 0..255 of f32 v with |v| <= 448."""
+    u = as_u32(v)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    normal = ((a + (0x7FFFF + ((a >> 20) & 1))) >> 20) - ((127 - 7) << 3)
+    t = tl.abs(v) * 512.0
+    n = tl.floor(t)
+    frac = t - n
+    ni = n.to(tl.int32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((ni & 1) == 1))
+    sub = (ni + up.to(tl.int32)).to(tl.uint32)
+    code = tl.where(a >= 0x3C800000, normal, sub) | sign
+    return code & 0xFF
+
+
+@triton.jit
+def pow2_scale(amax):
+    """numerics.pow2_scale: (2**ceil(log2(max(amax, 1e-4) / 448)), its inverse), exact."""
+    v = tl.maximum(amax, AMAX_FLOOR, propagate_nan=NAN_ALL) * INV_FP8_MAX
+    u = v.to(tl.int32, bitcast=True)
+    e = ((u >> 23) & 0xFF) + ((u & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    inv_scale = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    return scale, inv_scale
+
+
+@triton.jit
+def hadamard128(x, M: tl.constexpr):
+    """numerics.hadamard128 of x [M, 128] f32: 7 stages, each pairing the elements
+    that differ in the lowest index bit into (a + b, a - b), new bit on top."""
+    for _ in tl.static_range(7):
+        a, b = tl.split(tl.reshape(x, [M, 64, 2]))                   # [M, 64] each
+        y = tl.join((a + b) + 0.0, (a - b) + 0.0)                    # [M, 64, 2]
+        x = tl.reshape(tl.permute(y, (0, 2, 1)), [M, 128])           # [M, 2, 64] -> [M, 128]
+    return x
+
+
+@triton.jit
+def rotate_quant_words(x, M: tl.constexpr):
+    """numerics.rotate_quant of bf16-rounded f32 x [M, 128], packed for the cache.
+
+    Returns (words [M, 32] uint32: fp8 byte 4w+i at bits 8i, scale [M] f32).
+    """
+    y = round_bf16(hadamard128(x, M) * INV_SQRT_128)                  # [M, 128]
+    amax = tl.max(tl.abs(y), axis=1)                                  # [M]
+    scale, inv_scale = pow2_scale(amax)
+    q = y * inv_scale[:, None]
+    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=NAN_ALL), FP8_MAX, propagate_nan=NAN_ALL)
+    codes = tl.reshape(e4m3_code(q), [M, 32, 4])                      # [M, 32, 4] u32
+    shift = (tl.arange(0, 4) * 8).to(tl.uint32)                       # [4]
+    words = tl.sum(codes << shift[None, None, :], axis=2)             # disjoint bits: sum == or
+    return words.to(tl.uint32), scale
+
+
+@triton.jit
+def pool_finish(acc, den):
+    """x = bf16_round(acc / den) of the gated softmax, as numerics.compress_pool."""
+    return round_bf16(acc * recip_f32(den))
+
+
+# ---- ring words -> values ---------------------------------------------------------
+# (The other direction needs no code: a bf16 row read as 64 little-endian uint32
+# words IS numerics.pack_bf16_words of it, so the kernels copy words.)
+@triton.jit
+def unpack_words_f32(w, M: tl.constexpr):
+    """[M, 64] uint32 ring words -> the [M, 128] bf16 values as exact f32 (element 2w low)."""
+    lo = as_f32(w << 16)
+    hi = as_f32(w & 0xFFFF0000)
+    return tl.reshape(tl.join(lo, hi), [M, 128])

@@ -1,0 +1,387 @@
+"""Developer check of the Triton write kernels WITHOUT a GPU (not run by CI).
+
+Needs the `triton` package (3.6.0) in the environment, e.g. a throwaway venv:
+    python3 -m venv --system-site-packages /tmp/tlvenv && /tmp/tlvenv/bin/pip install triton==3.6.0 absl-py
+No torch: a small numpy-backed stand-in gives Triton's interpreter the pointers.
+
+    PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py interpret [--seed N]
+        Runs the kernels with TRITON_INTERPRET=1 on CPU (numpy) and compares bytes
+        with glm5_jax.reference: the numerics helpers on random and edge values, the
+        write-kernel cases of tests/write_cases.py, out-of-range slots, the padded
+        stride regression, and the vLLM vectors when present.
+    PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py compile
+        Compiles every kernel for sm_90 through jax_triton 0.3.1's own compile path
+        (TTIR -> TTGIR -> LLIR -> PTX) and then ptxas (bundled with triton), and checks
+        the word addressing is 64-bit. Needs the jax_triton wheel in .whl/.
+
+The interpreter runs programs one after another, so it cannot show races between
+programs or missing barriers; the GPU tests (tests/test_triton.py) do.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "interpret"
+if MODE == "interpret":
+    os.environ["TRITON_INTERPRET"] = "1"          # before triton is imported
+
+import pathlib  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------
+# interpreter
+# ---------------------------------------------------------------------------------
+class HostArray:
+    """A numpy array dressed as the torch tensor Triton's interpreter expects: it
+    only needs data_ptr/dtype and a few storage methods; the interpreter reads and
+    writes through the raw pointer, so the numpy memory is updated in place."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = np.ascontiguousarray(a)
+        self.dtype = str(self.a.dtype)            # "bfloat16", "uint32", ... (Triton maps the name)
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+    def untyped_storage(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def new_empty(self, *a, **k):
+        return self
+
+    def set_(self, *a, **k):
+        return self
+
+    def storage_offset(self):
+        return 0
+
+    def size(self):
+        return self.a.shape
+
+    def stride(self):
+        return tuple(s // self.a.itemsize for s in self.a.strides)
+
+    def copy_(self, other):
+        pass                                      # already in place
+
+
+def _patch_interpreter_index():
+    """Triton 3.6's interpreter turns a scalar tensor into an int with int(ndarray of
+    shape [1]), which numpy >= 2.x rejects; a loop like ``range(N)`` over a runtime
+    scalar then fails in the interpreter only (the compiler takes it). Patch that one
+    conversion for this process."""
+    import triton.runtime.interpreter as ti
+    orig = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    ti._patch_lang_tensor = patched
+
+
+if MODE == "interpret":
+    _patch_interpreter_index()
+
+
+def interpret(launch):
+    """Run a _call.Launch with the interpreter; returns the new cache (a jax array)."""
+    if launch is None:
+        return None
+    hosts = [HostArray(np.array(a)) for a in launch.arrays]
+    cache = hosts[launch.cache_index]
+    launch.kernel[launch.grid](*launch.scalars, *hosts, cache, **launch.constexprs)
+    return jnp.asarray(cache.a)
+
+
+def interp_writers():
+    from pallas_kernels.triton_lang import decode_update as du, pool_compress as pc, tail_seed as ts
+
+    def keep(c, new):
+        return c if new is None else new
+    return dict(
+        compress=lambda c, lay, l, k, g, a, s: keep(c, interpret(pc.plan(c, lay.strides(l), k, g, a, s))),
+        seed=lambda c, lay, l, k, g, t: keep(c, interpret(ts.plan(c, lay.strides(l), k, g, t))),
+        decode=lambda c, lay, l, k, g, a, s, t, p: keep(c, interpret(du.plan(c, lay.strides(l), k, g, a, s, t, p))),
+    )
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from pallas_kernels.triton_lang import numerics_tl as N  # noqa: E402
+
+
+@triton.jit
+def _unary_kernel(x_ptr, o_ptr, OP: tl.constexpr, M: tl.constexpr):
+    idx = tl.arange(0, M)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + idx)
+    if OP == 0:
+        y = N.exp_f32(x)
+    elif OP == 1:
+        y = N.recip_f32(x)
+    elif OP == 2:
+        y = N.round_bf16(x)
+    elif OP == 3:
+        y = N.e4m3_code(x).to(tl.float32, bitcast=True)
+    elif OP == 4:
+        y = N.hadamard128(x, M)
+    elif OP == 5:
+        y = N.mac(x, x * 1.5, x * -0.75)
+    else:
+        y = N.round_bf16(N.hadamard128(x, M) * N.INV_SQRT_128)
+    tl.store(o_ptr + idx, y)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, w_ptr, s_ptr, M: tl.constexpr):
+    idx = tl.arange(0, M)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    words, scale = N.rotate_quant_words(tl.load(x_ptr + idx), M)
+    tl.store(w_ptr + tl.arange(0, M)[:, None] * 32 + tl.arange(0, 32)[None, :], words)
+    tl.store(s_ptr + tl.arange(0, M), scale)
+
+
+def check_numerics(rng):
+    """Each numerics_tl helper against numerics.py on random values spread over
+    decades plus edge values (signed zeros, subnormals, fp8 ties, +-448 / 464)."""
+    from pallas_kernels import numerics as nm
+    unary, quant = _unary_kernel, _quant_kernel
+
+    m = 64
+    mag = np.exp(rng.uniform(np.log(1e-6), np.log(1e4), (m, 1)))
+    x = (rng.standard_normal((m, 128)) * mag).astype(np.float32)
+    edge = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, 448.0, 464.0, -464.0, 0.0009765625, 0.001953125,
+                     0.0029296875, 2.0 ** -10 * 1.5, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 3.0, 240.0], np.float32)
+    x[0, :edge.size] = edge
+    x[1] = -0.0                                      # all signed zeros (hadamard: +0 out, like XLA)
+    x[2] = 0.0
+    x[2, ::3] = -0.0
+    jit = {k: jax.jit(f) for k, f in dict(
+        exp=nm.exp_f32, recip=nm.recip_f32, bf16=nm.round_bf16,
+        e4m3=lambda v: nm.e4m3_bits(jnp.clip(v, -448.0, 448.0)).astype(jnp.uint32),
+        had=nm.hadamard128, mac=lambda v: nm.mac(v, v * 1.5, v * -0.75),
+        rot=lambda v: nm.round_bf16(nm.hadamard128(v) * nm.INV_SQRT_128)).items()}
+    pos = np.abs(x) + np.float32(1e-30)
+    # XLA on CPU flushes subnormals to zero (the interpreter and both GPU compilers keep
+    # them), so mac, whose partial products of subnormal inputs are subnormal, gets normal inputs
+    normal = np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x)
+    cases = [("exp", 0, np.clip(x, -100, 100)), ("recip", 1, pos), ("bf16", 2, x),
+             ("e4m3", 3, np.clip(x, -448, 448)), ("had", 4, x), ("mac", 5, normal), ("rot", 6, x)]
+    bad = 0
+    for name, op, v in cases:
+        out = np.zeros((m, 128), np.float32)
+        unary[(1,)](HostArray(v), HostArray(out), OP=op, M=m)
+        want = np.asarray(jit[name](jnp.asarray(v))).astype(np.uint32 if name == "e4m3" else np.float32)
+        got = out.view(np.uint32) if name == "e4m3" else out
+        n = int((got.view(np.uint32) != want.view(np.uint32)).sum())
+        print(f"  numerics {name:6s}: {n} of {got.size} words differ")
+        bad += n
+    xb = nm.round_bf16(jnp.asarray(x))
+    words, scale = np.zeros((m, 32), np.uint32), np.zeros(m, np.float32)
+    quant[(1,)](HostArray(np.asarray(xb)), HostArray(words), HostArray(scale), M=m)
+    q8, s = jax.jit(nm.rotate_quant)(xb)
+    n = int((words != np.asarray(nm.pack_fp8_words(q8))).sum()
+            + (scale.view(np.uint32) != np.asarray(s).view(np.uint32)).sum())
+    print(f"  numerics rotate_quant_words: {n} words differ")
+    return bad + n
+
+
+def check_cases(rng):
+    import write_cases as W
+    bad = 0
+    for p in W.CASES:
+        cfg, lay = p.values
+        layout, sc, pre, steps, upto = W.random_workload(rng, cfg, lay)
+        ref_cache, ref_snaps = W.run_writes(W.ops_writers("xla"), layout, lay["layer"], sc, pre, steps)
+        _, got = W.run_writes(interp_writers(), layout, lay["layer"], sc, pre, steps)
+        diffs = [int((a != b).sum()) for a, b in zip(ref_snaps, got)]
+        changed = int((ref_snaps[-1] != W.SENTINEL).sum())
+        print(f"  case {p.id:30s}: bytes differing per stage {diffs} ({changed} bytes written)")
+        sc.check_cache(ref_cache, upto, W.SENTINEL)
+        bad += sum(diffs)
+    return bad
+
+
+def check_out_of_range(rng):
+    """Slots past the last block and padding write nothing (as tests/test_gpu.py)."""
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    w = interp_writers()
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
+    t = 64
+    key = jnp.asarray(rng.standard_normal((t, 128)), jnp.bfloat16)
+    slot = jnp.asarray(np.resize(np.array([8 * 288, 10**6, 2**31 - 1, -1, -5], np.int32), t))
+    tslot = jnp.asarray(np.resize(np.array([8 * 4, 8 * 4 + 3, 10**7, -1], np.int32), t))
+    pos = jnp.asarray(np.resize(np.array([3, 7, 11, -1], np.int32), (16, 4)))
+    c = w["compress"](layout.allocate(0x33), layout, 0, key, key, jnp.zeros((4, 128), jnp.float32), slot)
+    c = w["seed"](c, layout, 0, key, key, tslot)
+    c = w["decode"](c, layout, 0, key.reshape(16, 4, 128), key.reshape(16, 4, 128), jnp.zeros((4, 128), jnp.float32),
+                    slot.reshape(16, 4), tslot.reshape(16, 4), pos)
+    n = int(jnp.sum(c != jnp.uint32(0x33333333)))
+    print(f"  out-of-range slots: {n} words written (want 0)")
+    return n
+
+
+def check_padded_stride(rng):
+    import write_cases as W
+    from pallas_kernels.triton_lang import tail_seed as ts
+    for fault in (None, "dense-tail-stride"):
+        W.check_padded_stride(rng, lambda c, s, k, g, t: interpret(ts.plan(c, s, k, g, t)), fault)
+        print(f"  padded stride regression (fault={fault}): ok")
+    return 0
+
+
+def check_launch_variants(rng):
+    """seed_tail's request_ends mode and other tiles / warp counts (as tests/test_triton.py)."""
+    import write_cases as W
+    from glm5_jax import reference as ref
+    from pallas_kernels.triton_lang import pool_compress as pc, tail_seed as ts
+    bad = 0
+    for kpool in (4, 16):
+        layout, layer, args, ends = W.request_ends_case(rng, kpool)
+        s = layout.strides(layer)
+        want = W.as_bytes(ref.seed_tail_strides(layout.allocate(W.SENTINEL), s, *args))
+        got = W.as_bytes(interpret(ts.plan(layout.allocate(W.SENTINEL), s, *args, ends)))
+        n = int((want != got).sum())
+        print(f"  seed request_ends kpool={kpool}: {n} bytes differ ({int((want != W.SENTINEL).sum())} written)")
+        bad += n
+    layout, key, gate, ape, slot = W.tile_case(rng)
+    s = layout.strides(0)
+    want = W.as_bytes(ref.compress_prefill_strides(layout.allocate(W.SENTINEL), s, key, gate, ape, slot))
+    for tile in (1, 16):
+        got = W.as_bytes(interpret(pc.plan(layout.allocate(W.SENTINEL), s, key, gate, ape, slot, tile_pools=tile)))
+        n = int((want != got).sum())
+        print(f"  compress tile_pools={tile}: {n} bytes differ")
+        bad += n
+    return bad
+
+
+def check_vectors():
+    import vectors as V
+    if not V.available():
+        print("  vLLM vectors: not found, skipped")
+        return 0
+    w = interp_writers()
+    layout, sent, key, gate, tslot, want = V.seed_case()
+    c = w["seed"](layout.allocate(sent), layout, 0, jnp.asarray(key), jnp.asarray(gate), jnp.asarray(tslot))
+    n1 = int((V.cache_bytes(c, want.size) != want).sum())
+    layout, key, gate, ape, slot, want = V.compress_case()
+    c = w["compress"](layout.allocate(0), layout, 0, jnp.asarray(key), jnp.asarray(gate), jnp.asarray(ape),
+                      jnp.asarray(slot))
+    n2 = int((V.cache_bytes(c, want.size) != want).sum())
+    print(f"  vLLM vectors: seed {n1} bytes differ, compress {n2} bytes differ")
+    return n1 + n2
+
+
+# ---------------------------------------------------------------------------------
+# compile for sm_90 (no GPU needed) through jax_triton's own compile path
+# ---------------------------------------------------------------------------------
+def _load_jax_triton_lib():
+    """jax_triton/triton_lib.py without its package __init__ (which refuses a CPU jaxlib)."""
+    import glob
+    import importlib.util
+    import tempfile
+    import zipfile
+    whl = sorted(glob.glob(str(ROOT / ".whl" / "jax_triton-*.whl")))
+    if not whl:
+        raise SystemExit("no jax_triton wheel in .whl/")
+    d = tempfile.mkdtemp()
+    zipfile.ZipFile(whl[-1]).extractall(d)
+    spec = importlib.util.spec_from_file_location("jt_triton_lib", f"{d}/jax_triton/triton_lib.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod                  # dataclasses look the module up while it loads
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def check_compile():
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    from glm5_jax.testing import Scenario
+    from pallas_kernels.triton_lang import decode_update as du, pool_compress as pc, tail_seed as ts
+    jtl = _load_jax_triton_lib()
+    jtl.triton_kernel_call_lib = type("Fake", (), {"TritonKernel": staticmethod(lambda *a: a)})
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    rng = np.random.default_rng(0)
+    bad = 0
+    for kpool, spec in ((4, 1), (16, 0)):
+        layout = CacheLayout(IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=kpool * 288),
+                             num_layers=1, num_blocks=16)
+        sc = Scenario.random(rng, layout, [5 * kpool + 3, 2 * kpool])
+        pre = sc.prefill([4 * kpool + 1, kpool])
+        st = sc.decode([4 * kpool + 1, kpool], [3, 2], 4)
+        a = {k: jnp.asarray(v) for k, v in pre.items()}
+        d = {k: jnp.asarray(v) for k, v in st.items()}
+        s, cache, ape = layout.strides(0), layout.allocate(0), jnp.asarray(sc.ape)
+        launches = [ts.plan(cache, s, a["key"], a["gate"], a["tslot"]),
+                    pc.plan(cache, s, a["key"], a["gate"], ape, a["slot_mapping"]),
+                    du.plan(cache, s, d["key"], d["gate"], ape, d["slot_mapping"], d["tslot"], d["positions"])]
+        if kpool == 4:                             # the launch shapes of test_triton_launch_shapes
+            ends = jnp.asarray([4 * kpool + 1, 5 * kpool + 1], jnp.int32)
+            launches += [ts.plan(cache, s, a["key"], a["gate"], a["tslot"], ends, tile_tokens=1, num_warps=1),
+                         ts.plan(cache, s, a["key"], a["gate"], a["tslot"], tile_tokens=16, num_warps=8),
+                         pc.plan(cache, s, a["key"], a["gate"], ape, a["slot_mapping"], tile_pools=1, num_warps=1),
+                         pc.plan(cache, s, a["key"], a["gate"], ape, a["slot_mapping"], tile_pools=16, num_warps=8),
+                         du.plan(cache, s, d["key"], d["gate"], ape, d["slot_mapping"], d["tslot"], d["positions"],
+                                 num_warps=8)]
+        for launch in launches:
+            # the argument list jax_triton builds: scalars, array inputs, then the output
+            avals = [jax.core.ShapedArray(x.shape, x.dtype) for x in launch.arrays]
+            scalars = [(i, jtl.get_triton_type(v), v) for i, v in enumerate(launch.scalars)]
+            arg_dtypes = ([t for _, t, _ in scalars] + [jtl.get_triton_type(x) for x in avals]
+                          + [jtl.get_triton_type(avals[launch.cache_index])])
+            kern, _ = jtl.get_or_create_triton_kernel(
+                jtl.get_cuda_backend, "cuda", launch.kernel, arg_dtypes, scalars, num_warps=launch.num_warps,
+                num_stages=1, num_ctas=1, compute_capability=90, enable_fp_fusion=True,
+                metaparams=launch.constexprs, dump=False)
+            name, _, _, shared, ptx, ttir, _ = kern
+            with tempfile.TemporaryDirectory() as tmp:
+                open(f"{tmp}/k.ptx", "w").write(ptx)
+                r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                                   capture_output=True, text=True)
+            regs = re.findall(r"Used (\d+) registers", r.stderr)
+            spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+            i64 = "i64" in ttir and re.search(r"arith\.muli .*: tensor<.*xi64", ttir) is not None
+            ok = r.returncode == 0 and i64
+            bad += not ok
+            tile = launch.constexprs.get("TILE", "-")
+            print(f"  R={kpool:2d} {launch.name:30s} tile={tile!s:3s} ptxas rc={r.returncode} regs={regs} "
+                  f"spill stores={spills}B shared={shared}B 64-bit word index={i64} grid={launch.grid} "
+                  f"warps={launch.num_warps}")
+            if r.returncode:
+                print(r.stderr[-2000:])
+    return bad
+
+
+def main():
+    seed = (int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv
+            else int.from_bytes(os.urandom(4), "little"))
+    rng = np.random.default_rng(seed)
+    print(f"triton_dev_check {MODE}: seed {seed}")
+    if MODE == "interpret":
+        bad = check_numerics(rng) + check_cases(rng) + check_out_of_range(rng) + check_padded_stride(rng) \
+            + check_launch_variants(rng) + check_vectors()
+    elif MODE == "compile":
+        bad = check_compile()
+    else:
+        raise SystemExit(f"unknown mode {MODE!r} (interpret | compile)")
+    print("TRITON DEV CHECK:", "passed" if bad == 0 else f"FAILED ({bad})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The Triton-language write kernels (implementation="triton", jax_triton).
+
+GPU tests (marked gpu, skipped on CPU): byte-identical to the XLA reference on
+the cases of test_write_kernels.py (tests/write_cases.py) and the vLLM vectors,
+the padded-stride regression, no cache copy in the compiled HLO, caches past
+2**31 bytes and past 2**31 words, out-of-range slots that write nothing.
+
+CPU tests (CI): where jax_triton cannot run, implementation="triton" fails with
+a clear error; implementation=None follows ops.DEFAULT_ORDER and never needs
+jax_triton; nothing imports jax_triton unless asked to.
+"""
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import ops
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+from glm5_jax.testing import Scenario
+from pallas_kernels.triton_lang import _call
+from write_cases import (CASES, SENTINEL, as_bytes, assert_same_snapshots, check_padded_stride, ops_writers,
+                         random_workload, request_ends_case, run_writes, tile_case)
+
+ON_GPU = jax.default_backend() == "gpu"
+WRITE_OPS = ("seed_tail", "compress_prefill", "decode_update")
+
+
+def _require_triton():
+    reason = _call.unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"the Triton kernels cannot run on this GPU machine: {reason}")
+
+
+# =================================================================================
+# GPU: bytes
+# =================================================================================
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg, lay", CASES)
+def test_triton_matches_reference_prefill_then_decode(rng, cfg, lay):
+    _require_triton()
+    layout, sc, pre, steps, upto = random_workload(rng, cfg, lay)
+    ref_cache, ref_snaps = run_writes(ops_writers("xla"), layout, lay["layer"], sc, pre, steps)
+    _, tri_snaps = run_writes(ops_writers("triton"), layout, lay["layer"], sc, pre, steps)
+    assert_same_snapshots(ref_snaps, tri_snaps)
+    sc.check_cache(ref_cache, upto, SENTINEL)
+
+
+@pytest.mark.gpu
+def test_vllm_seed_vector_triton():
+    import vectors as V
+    if not V.available():
+        pytest.skip("conformance vectors not found")
+    _require_triton()
+    layout, sent, key, gate, tslot, want = V.seed_case()
+    c = ops.seed_tail(layout.allocate(sent), layout, 0, jnp.asarray(key), jnp.asarray(gate),
+                      jnp.asarray(tslot), implementation="triton")
+    np.testing.assert_array_equal(V.cache_bytes(c, want.size), want)
+
+
+@pytest.mark.gpu
+def test_vllm_compress_vector_triton():
+    import vectors as V
+    if not V.available():
+        pytest.skip("conformance vectors not found")
+    _require_triton()
+    layout, key, gate, ape, slot, want = V.compress_case()
+    c = ops.compress_prefill(layout.allocate(0), layout, 0, jnp.asarray(key), jnp.asarray(gate),
+                             jnp.asarray(ape), jnp.asarray(slot), implementation="triton")
+    np.testing.assert_array_equal(V.cache_bytes(c, want.size), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fault", [None, "dense-tail-stride"])
+def test_padded_stride_regression_triton(rng, fault):
+    _require_triton()
+    from pallas_kernels.triton_lang.tail_seed import seed_tail as kernel
+    check_padded_stride(rng, kernel, fault)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kpool", [4, 16])
+def test_triton_seed_with_request_ends(rng, kpool):
+    """request_ends (only each request's last kpool rows visited) writes the reference's bytes."""
+    _require_triton()
+    layout, layer, args, ends = request_ends_case(rng, kpool)
+    want = as_bytes(ops.seed_tail(layout.allocate(SENTINEL), layout, layer, *args, implementation="xla"))
+    got = as_bytes(ops.seed_tail(layout.allocate(SENTINEL), layout, layer, *args, request_ends=ends,
+                                 implementation="triton"))
+    assert (want != SENTINEL).any()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile, num_warps", [(1, 1), (16, 8)])
+def test_triton_launch_shapes(rng, tile, num_warps):
+    """Other tiles / warp counts than the defaults write the same bytes."""
+    _require_triton()
+    from pallas_kernels.triton_lang import decode_update as du, pool_compress as pc, tail_seed as ts
+    layout, key, gate, ape, slot = tile_case(rng)
+    s = layout.strides(0)
+    want = as_bytes(ops.compress_prefill(layout.allocate(SENTINEL), layout, 0, key, gate, ape, slot,
+                                         implementation="xla"))
+    got = as_bytes(pc.compress_prefill(layout.allocate(SENTINEL), s, key, gate, ape, slot, tile_pools=tile,
+                                       num_warps=num_warps))
+    assert (want != SENTINEL).any()
+    np.testing.assert_array_equal(got, want)
+    tslot = jnp.asarray(np.arange(key.shape[0], dtype=np.int32) % 9 + 4 * 2)        # one tail block
+    want = as_bytes(ops.seed_tail(layout.allocate(SENTINEL), layout, 0, key, gate, tslot, implementation="xla"))
+    got = as_bytes(ts.seed_tail(layout.allocate(SENTINEL), s, key, gate, tslot, tile_tokens=tile,
+                                num_warps=num_warps))
+    np.testing.assert_array_equal(got, want)
+    n = key.shape[0] // 4 * 4
+    pos = jnp.arange(n, dtype=jnp.int32).reshape(1, n)
+    pk, pg = key[:n].reshape(1, n, 128), gate[:n].reshape(1, n, 128)
+    st = jnp.full((1, n), -1, jnp.int32).at[0, 3::4].set(jnp.arange(n // 4, dtype=jnp.int32))
+    tsl = (jnp.arange(n, dtype=jnp.int32) % layout.config.ring + 3 * layout.config.ring).reshape(1, n)
+    want = as_bytes(ops.decode_update(layout.allocate(SENTINEL), layout, 0, pk, pg, ape, st, tsl, pos,
+                                      implementation="xla"))
+    got = as_bytes(du.decode_update(layout.allocate(SENTINEL), s, pk, pg, ape, st, tsl, pos,
+                                    num_warps=num_warps))
+    np.testing.assert_array_equal(got, want)
+
+
+# =================================================================================
+# GPU: in place, large caches, out-of-range slots
+# =================================================================================
+def _triton_ops(rng, layout, layer=0):
+    sc = Scenario.random(rng, layout, [310, 45], layer=layer)
+    pre = sc.prefill([300, 37])
+    st = sc.decode([300, 37], [4, 4], 4)
+    ape = jnp.asarray(sc.ape)
+    a = {k: jnp.asarray(v) for k, v in pre.items()}
+    d = {k: jnp.asarray(v) for k, v in st.items()}
+    return {
+        "compress_prefill": lambda c: ops.compress_prefill(c, layout, layer, a["key"], a["gate"], ape,
+                                                           a["slot_mapping"], implementation="triton"),
+        "seed_tail": lambda c: ops.seed_tail(c, layout, layer, a["key"], a["gate"], a["tslot"],
+                                             implementation="triton"),
+        "decode_update": lambda c: ops.decode_update(c, layout, layer, d["key"], d["gate"], ape, d["slot_mapping"],
+                                                     d["tslot"], d["positions"], implementation="triton"),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", WRITE_OPS)
+def test_triton_in_place_no_copy(rng, op):
+    _require_triton()
+    layout = CacheLayout(IndexerConfig(), num_layers=2, num_blocks=64)
+    jf = jax.jit(_triton_ops(rng, layout)[op], donate_argnums=0)
+    cache = layout.allocate(0)
+    hlo = jf.lower(cache).compile().as_text()
+    assert "triton_kernel_call" in hlo, "the compiled step has no jax_triton kernel call"
+    n = layout.total_words
+    copies = [l for l in hlo.splitlines() if re.search(r"\bcopy(-start)?\(", l) and str(n) in l]
+    assert not copies, "the compiled step copies the cache:\n" + "\n".join(copies)
+    ptr = cache.unsafe_buffer_pointer()
+    out = jf(cache)
+    assert out.unsafe_buffer_pointer() == ptr, "the cache did not stay in place"
+
+
+def _changed_words_from(cache, first_row: int, fill_word: int) -> int:
+    """Words != fill_word in rows >= first_row of the [rows, 1024] view (no host-side
+    index past 2**31: jax with x64 off cannot slice there eagerly)."""
+    f = jax.jit(lambda c: jnp.sum(c.reshape(-1, 1024)[first_row:] != jnp.uint32(fill_word)))
+    return int(f(cache))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gib", [3, 9])
+def test_triton_large_cache(rng, gib):
+    """A cache of `gib` GiB whose last layer starts past byte 2**31 (3 GiB) or past
+    word 2**31 (9 GiB: the int64 word index): triton == reference, and the writes
+    land in the request's last blocks."""
+    _require_triton()
+    cfg = IndexerConfig()
+    blocks = 4096
+    layers = -(-gib * 2**30 // (blocks * cfg.index_block_bytes))
+    layout = CacheLayout(cfg, num_layers=layers, num_blocks=blocks)
+    layer = layers - 1
+    base_bytes = layout.index_base_bytes(layer)
+    assert base_bytes >= 2**31 and (gib < 9 or base_bytes // 4 >= 2**31)
+    sc = Scenario.random(rng, layout, [2000, 999, 5], layer=layer)
+    sc.requests[0].index_blocks = np.array([blocks - 3, blocks - 2])     # the very last blocks
+    sc.requests[0].tail_block = blocks - 1
+    pre = sc.prefill([1990, 999, 5])
+    st = sc.decode([1990, 999, 5], [4, 0, 0], 4)
+    out = {}
+    for impl in ("xla", "triton"):
+        a = {k: jnp.asarray(v) for k, v in pre.items()}
+        d = {k: jnp.asarray(v) for k, v in st.items()}
+        c = layout.allocate(0x5A)
+        c = ops.compress_prefill(c, layout, layer, a["key"], a["gate"], jnp.asarray(sc.ape), a["slot_mapping"],
+                                 implementation=impl)
+        c = ops.seed_tail(c, layout, layer, a["key"], a["gate"], a["tslot"], implementation=impl)
+        c = ops.decode_update(c, layout, layer, d["key"], d["gate"], jnp.asarray(sc.ape), d["slot_mapping"],
+                              d["tslot"], d["positions"], implementation=impl)
+        out[impl] = c
+    ndiff = int(jax.jit(lambda x, y: jnp.sum(x != y))(out["xla"], out["triton"]))
+    assert ndiff == 0, f"{ndiff} words differ between the Triton kernels and the reference"
+    lo_bytes = layout.block_byte_range(layer, blocks - 3)[0]
+    assert lo_bytes >= 2**31
+    assert _changed_words_from(out["triton"], lo_bytes // 4096, 0x5A5A5A5A) > 0   # 4096 B per view row
+
+
+@pytest.mark.gpu
+def test_triton_out_of_range_slots_never_write(rng):
+    """Slots past the last block (spec B8) and padding write nothing, compiled."""
+    _require_triton()
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
+    t = 64
+    key = jnp.asarray(rng.standard_normal((t, 128)), jnp.bfloat16)
+    slot = jnp.asarray(np.resize(np.array([8 * 288, 10**6, 2**31 - 1, -1, -5], np.int32), t))
+    tslot = jnp.asarray(np.resize(np.array([8 * 4, 8 * 4 + 3, 10**7, -1], np.int32), t))
+    pos = jnp.asarray(np.resize(np.array([3, 7, 11, -1], np.int32), (16, 4)))
+    ape = jnp.zeros((4, 128), jnp.float32)
+    c = ops.compress_prefill(layout.allocate(0x33), layout, 0, key, key, ape, slot, implementation="triton")
+    c = ops.seed_tail(c, layout, 0, key, key, tslot, implementation="triton")
+    c = ops.decode_update(c, layout, 0, key.reshape(16, 4, 128), key.reshape(16, 4, 128), ape,
+                          slot.reshape(16, 4), tslot.reshape(16, 4), pos, implementation="triton")
+    assert int(jnp.sum(c != jnp.uint32(0x33333333))) == 0
+
+
+@pytest.mark.gpu
+def test_triton_chosen_by_default_order(rng, monkeypatch):
+    """With triton first in DEFAULT_ORDER, implementation=None runs it (a jax_triton call
+    in the HLO) and writes the reference's bytes."""
+    _require_triton()
+    monkeypatch.setitem(ops.DEFAULT_ORDER["gpu"], "seed_tail", ("triton", "pallas", "xla"))
+    assert ops.default_implementation("seed_tail") == "triton"
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=16)
+    sc = Scenario.random(rng, layout, [40, 9])
+    a = {k: jnp.asarray(v) for k, v in sc.prefill([40, 9]).items()}
+    f = lambda impl: (lambda c: ops.seed_tail(c, layout, 0, a["key"], a["gate"], a["tslot"], implementation=impl))
+    assert "triton_kernel_call" in jax.jit(f(None)).lower(layout.allocate(0)).compile().as_text()
+    got = np.asarray(f(None)(layout.allocate(SENTINEL)))
+    want = np.asarray(f("xla")(layout.allocate(SENTINEL)))
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+# =================================================================================
+# CPU (CI): clear errors, dispatch, lazy import
+# =================================================================================
+def _small_call(op, impl, **kw):
+    """A tiny call of write op `op` (checks run before any kernel)."""
+    layout = CacheLayout(IndexerConfig(kpool=4, num_spec_tokens=3, block_size=128), num_layers=1, num_blocks=4)
+    cache = layout.allocate(0)
+    key = jnp.zeros((8, 128), jnp.bfloat16)
+    ape = jnp.zeros((4, 128), jnp.float32)
+    i8 = jnp.full((8,), -1, jnp.int32)
+    if op == "seed_tail":
+        return ops.seed_tail(cache, layout, 0, key, key, i8, implementation=impl, **kw)
+    if op == "compress_prefill":
+        return ops.compress_prefill(cache, layout, 0, key, key, ape, i8, implementation=impl, **kw)
+    i2 = i8.reshape(2, 4)
+    return ops.decode_update(cache, layout, 0, key.reshape(2, 4, 128), key.reshape(2, 4, 128), ape,
+                             i2, i2, i2, implementation=impl, **kw)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU error")
+@pytest.mark.parametrize("op", WRITE_OPS)
+def test_triton_on_cpu_raises_clear_error(op):
+    with pytest.raises(ops.TritonUnavailableError,
+                       match=rf"{op}: implementation='triton' is unavailable: no GPU backend "
+                             r"\(jax.default_backend\(\) is 'cpu'\)"):
+        _small_call(op, "triton")
+
+
+@pytest.mark.parametrize("op", WRITE_OPS)
+def test_triton_without_jax_triton_raises_clear_error(monkeypatch, op):
+    """A GPU backend but no importable jax_triton: the error names the import failure and the extra."""
+    monkeypatch.setattr(_call, "_backend", lambda: "gpu")
+    monkeypatch.setattr(_call, "_import_error", lambda: "ModuleNotFoundError: No module named 'jax_triton'")
+    with pytest.raises(ops.TritonUnavailableError,
+                       match=rf"{op}: implementation='triton' is unavailable: jax_triton is not importable "
+                             r"\(ModuleNotFoundError: No module named 'jax_triton'\); install the extra "
+                             r"`pip install 'glm5-jax\[triton\]'` \(jax-triton==0.3.1"):
+        _small_call(op, "triton")
+    assert not _call.available()
+
+
+def test_triton_rejects_interpret_and_read_ops():
+    with pytest.raises(ValueError, match=r"seed_tail: implementation='triton' has no interpret mode"):
+        _small_call("seed_tail", "triton", interpret=True)
+    with pytest.raises(ValueError, match=r"topk_pools: implementation='triton' exists only for the write ops"):
+        ops.topk_pools(jnp.zeros((2, 8)), jnp.full((2,), 8, jnp.int32), 4, implementation="triton")
+    with pytest.raises(ValueError, match=r"implementation must be one of \('xla', 'pallas', 'triton'\) or None"):
+        _small_call("decode_update", "cuda")
+
+
+def test_default_order_table_is_well_formed():
+    for backend, table in ops.DEFAULT_ORDER.items():
+        assert "*" in table, f"DEFAULT_ORDER[{backend!r}] needs a '*' row"
+        for op, order in table.items():
+            assert order and set(order) <= set(ops.IMPLEMENTATIONS), (backend, op, order)
+            assert order[-1] == "xla", f"DEFAULT_ORDER[{backend!r}][{op!r}] must end with the always-available xla"
+            assert "triton" not in order or op in ops.TRITON_OPS, (backend, op, order)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU default")
+def test_none_dispatch_on_cpu_is_xla_for_every_op():
+    for op in WRITE_OPS + ("fwht_quant", "paged_logits", "topk_pools", "expand_pools", "select_tokens", None):
+        assert ops.default_implementation(op) == "xla", op
+
+
+def test_none_dispatch_falls_back_in_table_order(monkeypatch):
+    """Pretend a GPU backend: the first available entry wins, triton only when jax_triton
+    imports and only for the write ops; op=None gives the "*" row (pallas)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setitem(ops.DEFAULT_ORDER["gpu"], "decode_update", ("triton", "pallas", "xla"))
+    monkeypatch.setitem(ops.DEFAULT_ORDER["gpu"], "seed_tail", ("triton", "xla"))
+    for importable, want_decode, want_seed in ((True, "triton", "triton"), (False, "pallas", "xla")):
+        monkeypatch.setattr(ops._triton, "available", lambda ok=importable: ok)
+        assert ops.default_implementation("decode_update") == want_decode
+        assert ops.default_implementation("seed_tail") == want_seed
+        assert ops.default_implementation("compress_prefill") == "pallas"
+        assert ops.default_implementation("topk_pools") == "pallas"
+        assert ops.default_implementation() == "pallas"
+
+
+def test_jax_triton_is_imported_only_on_request():
+    """Importing the library and running a default op imports neither jax_triton nor
+    the Triton kernel modules (which import triton)."""
+    code = (
+        "import sys, jax.numpy as jnp\n"
+        "from glm5_jax import ops, reference\n"
+        "from glm5_jax.config import IndexerConfig\n"
+        "from glm5_jax.layout import CacheLayout\n"
+        "import pallas_kernels.triton_lang, pallas_kernels.triton_lang._call\n"
+        "cfg = IndexerConfig(kpool=4, num_spec_tokens=3, block_size=128)\n"
+        "lay = CacheLayout(cfg, num_layers=1, num_blocks=4)\n"
+        "k = jnp.zeros((8, 128), jnp.bfloat16)\n"
+        "ops.seed_tail(lay.allocate(0), lay, 0, k, k, jnp.full((8,), -1, jnp.int32)).block_until_ready()\n"
+        "kernels = ['pallas_kernels.triton_lang.' + m for m in ('tail_seed', 'pool_compress', 'decode_update',\n"
+        "                                                         'numerics_tl', 'addressing_tl')]\n"
+        "bad = [m for m in ['jax_triton'] + kernels if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
