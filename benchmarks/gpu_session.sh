@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything GPU-side of a session in ONE device call on a 2-GPU host (kind
+# nvidia-h200-x2), in three timed phases so the call ends inside its 600 s limit:
+#   1. in parallel: the kernel tests compiled (Pallas + Triton) on GPU 0 with
+#      pytest-xdist; the scale-out tests on both GPUs; the write benchmark
+#      (Pallas vs Triton vs XLA) on GPU 1;
+#   2. alone: the 1-GPU vs 2-GPU serving throughput (bench_scaleout.py);
+#   3. in parallel: the read-path launch-shape sweep on GPU 0, the write launch
+#      shapes on GPU 1.
+# Logs under $OUT; the last line says GPU SESSION: passed / failed (tests only:
+# benchmarks that time out are reported, not failed).
+#   device tool: bash benchmarks/gpu_session.sh   (carry .vectors and .whl)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+[ -d .vectors ] && export GLM5_VECTORS=$PWD/.vectors
+export PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
+python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" | tee "$OUT/versions.txt"
+KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_gpu.py tests/test_write_kernels.py tests/test_write_launch_shapes.py tests/test_read_path.py tests/test_triton.py"}
+
+# phase 1
+( CUDA_VISIBLE_DEVICES=0 timeout "${P1_S:-270}" python3 -m pytest -q -p no:cacheprovider -n "${XDIST:-12}" -rfE \
+    $KERNEL_TESTS > "$OUT/pytest_kernels.log" 2>&1; echo "rc=$?" > "$OUT/rc_kernels" ) &
+( timeout "${P1_S:-270}" python3 -m pytest -q -p no:cacheprovider -rfE -k "not 4" tests/test_sharding.py \
+    > "$OUT/pytest_sharding.log" 2>&1; echo "rc=$?" > "$OUT/rc_sharding" ) &
+( CUDA_VISIBLE_DEVICES=1 timeout "${P1_S:-270}" python3 benchmarks/bench_writes.py --impls pallas,triton,xla \
+    --json "$OUT/bench_writes.json" > "$OUT/bench_writes.txt" 2>&1 ) &
+wait
+# phase 2
+timeout "${P2_S:-170}" python3 benchmarks/bench_scaleout.py --json "$OUT/bench_scaleout.json" ${SCALEOUT_ARGS:-} \
+  > "$OUT/bench_scaleout.txt" 2>&1
+echo "bench_scaleout rc=$?" >> "$OUT/bench_scaleout.txt"
+# phase 3
+( CUDA_VISIBLE_DEVICES=0 timeout "${P3_S:-100}" python3 benchmarks/bench_read.py --skip-prefill --batches 64 \
+    --contexts 131072 --sweep --json "$OUT/bench_read.json" > "$OUT/bench_read.txt" 2>&1 ) &
+( CUDA_VISIBLE_DEVICES=1 timeout "${P3_S:-100}" python3 benchmarks/tune_writes.py --json "$OUT/tune_writes.json" \
+    > "$OUT/tune_writes.txt" 2>&1 ) &
+wait
+
+for f in pytest_kernels pytest_sharding; do echo "== $f: $(cat "$OUT/rc_${f#pytest_}")"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$f.log" | tail -12; done
+for f in bench_writes bench_scaleout bench_read tune_writes; do echo "== $f"; tail -30 "$OUT/$f.txt"; done
+grep -q "rc=0" "$OUT/rc_kernels" && grep -q "rc=0" "$OUT/rc_sharding" && echo "GPU SESSION: passed" || echo "GPU SESSION: failed"
