@@ -121,11 +121,17 @@ def main(argv=None):
     bw = copy_bandwidth(1 << 24 if a.quick else 1 << 30)
     empty = empty_launch_seconds()
     rows = []
-    for total in ((1024,) if a.quick else (4096, 32768, 131072)):
-        rows += bench_prefill(rng, total, 4 if a.quick else 64, reps, impls)
+
+    def add(new):                                   # progress, in case a time limit cuts the run
+        rows.extend(new)
+        for name, case, res, _ in new:
+            print("measured", name, case, {k: f"{v * 1e6:.2f} us" for k, v in res.items()}, flush=True)
+
     for b in ((4,) if a.quick else (1, 64, 256)):
         for n in (1, 4):
-            rows += bench_decode(rng, b, n, reps, impls)
+            add(bench_decode(rng, b, n, reps, impls))
+    for total in ((1024,) if a.quick else (4096, 32768, 131072)):
+        add(bench_prefill(rng, total, 4 if a.quick else 64, reps, impls))
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
           f"implementations {', '.join(impls)}")
     print(f"copy bandwidth measured now: {bw / 1e12:.2f} TB/s; empty Pallas launch: {empty * 1e6:.2f} us\n")
