@@ -78,7 +78,7 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, _cache_in,
     lax.fori_loop(0, n, token, 0)
 
 
-NUM_WARPS = 1
+NUM_WARPS = 4              # H200: 2x faster than 1 warp at B=256, next_n 1 (tune_writes.py)
 
 
 @functools.partial(jax.jit, static_argnames=("s", "interpret", "num_warps"))

@@ -45,8 +45,8 @@ from . import _backend as B
 
 RADIX_BITS = 2             # key bits decided per step of the threshold search
 RANK_TILE_ELEMS = 16384    # BN * TI * KP comparisons per rank tile
-SCORE_CHUNK = 1024         # scores per chunk of the standalone kernel
-TARGET_PROGRAMS = 264      # ~2 programs per SM of an H200 (132 SMs)
+SCORE_CHUNK = 512          # scores per chunk of the standalone kernel (H200 sweep: best of 512..8192)
+TARGET_PROGRAMS = 528      # ~4 programs per SM of an H200 (132 SMs; H200 sweep: 528 > 264 at chunk 512)
 MIN_SPLIT_FACTOR = 8       # a split holds at least 8 * KP candidates
 
 
