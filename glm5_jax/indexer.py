@@ -63,6 +63,17 @@ def _normal(rngs, shape, std, dtype):
     return jnp.asarray(x.astype(dtype))
 
 
+def prefill_row_ends(pre_positions):
+    """[bp] i32: one past the last flat row of each prefill grid row's chunk.
+
+    pre_positions: [bp, width] i32, each grid row one chunk, left-aligned, -1 after
+    it (``step_metadata``); row r's chunk ends at flat row r * width + its tokens.
+    """
+    bp, width = pre_positions.shape
+    return (jnp.arange(bp, dtype=jnp.int32) * width
+            + jnp.sum(pre_positions >= 0, axis=1).astype(jnp.int32))
+
+
 class Indexer(nnx.Module):
     """One kpool indexer layer: projections, cache writes, token selection."""
 
@@ -140,8 +151,9 @@ class Indexer(nnx.Module):
         pk, pg = k[nd_tok:], gate[nd_tok:]
         cache = ops.compress_prefill(cache, layout, layer, pk, pg, ape,
                                      batch["pre_slot_pools"].reshape(-1), **kw)
+        # the seed visits only each chunk's last kpool rows (same bytes, cost per request)
         cache = ops.seed_tail(cache, layout, layer, pk, pg, batch["pre_tslots"].reshape(-1),
-                              fault=fault, **kw)
+                              request_ends=prefill_row_ends(batch["pre_positions"]), fault=fault, **kw)
         # 3. read path, after every write of this layer (spec 1.3, 1.4)
         q8, wq = ops.prepare_queries(q, w, **kw)
         pages = batch["page_table_pages"]

@@ -63,3 +63,31 @@ def test_compress_tile_shapes_match_reference(rng, tile_pools, num_warps):
                             tile_pools=tile_pools, num_warps=num_warps)).view(np.uint8)
     assert (want != SENTINEL).any()
     np.testing.assert_array_equal(got, want)
+
+
+def test_engine_request_ends_from_step_metadata_seed_the_same_bytes(rng):
+    """The indexer derives request_ends from the prefill grid (prefill_row_ends): with
+    them the seed kernel writes the reference's bytes for chunks of any length and
+    start (non-aligned starts put head tokens in the grid row)."""
+    from glm5_jax.indexer import prefill_row_ends
+    from glm5_jax.step_metadata import RowSpec, build_step, choose_shape
+    cfg = IndexerConfig(block_size=64)
+    layout = CacheLayout(cfg, num_layers=1, num_blocks=20)
+    rows = []
+    for i in range(4):
+        n, start = int(rng.integers(1, 40)), int(rng.integers(0, 3)) * 64 + int(rng.integers(0, 9))
+        blocks = [1 + 4 * i + j for j in range((start + n) // 64 + 1)]
+        rows.append(RowSpec(list(range(n)), start, blocks, 1 + 4 * i + 3))
+    shape = choose_shape(cfg, [], rows, next_n=1)
+    arr = build_step(cfg, shape, [], rows)
+    pos = jnp.asarray(arr.pre_positions.astype(np.int32))
+    tslot = jnp.asarray(arr.pre_tslots.reshape(-1).astype(np.int32))
+    t = tslot.shape[0]
+    key = jnp.asarray(rng.standard_normal((t, 128)), jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal((t, 128)), jnp.bfloat16)
+    want = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 0, key, gate, tslot,
+                                    implementation="xla")).view(np.uint8)
+    got = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 0, key, gate, tslot,
+                                   request_ends=prefill_row_ends(pos), implementation="pallas")).view(np.uint8)
+    assert (want != SENTINEL).any()
+    np.testing.assert_array_equal(got, want)
