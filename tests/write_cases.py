@@ -149,3 +149,41 @@ def tile_case(rng):
     pre = sc.prefill(lengths, pad_to=sum(lengths) + int(rng.integers(0, 9)))
     return (layout, jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]), jnp.asarray(sc.ape),
             jnp.asarray(pre["slot_mapping"]))
+
+
+def write_ops(rng, layout, impl: str, layer: int = 0):
+    """op name -> f(cache) running that write op with `impl` on a small fixed workload
+    (two requests, a prefill then a 4-token decode step) drawn from `rng`."""
+    sc = Scenario.random(rng, layout, [310, 45], layer=layer)
+    pre = sc.prefill([300, 37])
+    st = sc.decode([300, 37], [4, 4], 4)
+    ape = jnp.asarray(sc.ape)
+    a = {k: jnp.asarray(v) for k, v in pre.items()}
+    d = {k: jnp.asarray(v) for k, v in st.items()}
+    return {
+        "compress_prefill": lambda c: ops.compress_prefill(c, layout, layer, a["key"], a["gate"], ape,
+                                                           a["slot_mapping"], implementation=impl),
+        "seed_tail": lambda c: ops.seed_tail(c, layout, layer, a["key"], a["gate"], a["tslot"],
+                                             implementation=impl),
+        "decode_update": lambda c: ops.decode_update(c, layout, layer, d["key"], d["gate"], ape, d["slot_mapping"],
+                                                     d["tslot"], d["positions"], implementation=impl),
+    }
+
+
+def assert_updates_in_place(f, layout, kernel_marker: str | None = None):
+    """jit(f, donate the cache): no copy of the cache in the compiled HLO, and the
+    output is the same device buffer. kernel_marker: a string the HLO must hold."""
+    import re
+
+    import jax
+    jf = jax.jit(f, donate_argnums=0)
+    cache = layout.allocate(0)
+    hlo = jf.lower(cache).compile().as_text()
+    if kernel_marker is not None:
+        assert kernel_marker in hlo, f"the compiled step has no {kernel_marker}"
+    n = layout.total_words
+    copies = [ln for ln in hlo.splitlines() if re.search(r"\bcopy(-start)?\(", ln) and str(n) in ln]
+    assert not copies, "the compiled step copies the cache:\n" + "\n".join(copies)
+    ptr = cache.unsafe_buffer_pointer()
+    out = jf(cache)
+    assert out.unsafe_buffer_pointer() == ptr, "the cache did not stay in place"
