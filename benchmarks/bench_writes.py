@@ -61,7 +61,7 @@ def bench_prefill(rng, total_tokens, n_requests, reps, impls):
     for name, with_ends in (("seed_tail", False), ("seed_tail+ends", True)):
         res = {}
         for impl in impls:
-            kw = dict(request_ends=ends) if with_ends and impl != "xla" else {}
+            kw = dict(request_ends_tokens=ends) if with_ends and impl != "xla" else {}
             step = lambda c, k, g, s, impl=impl, kw=kw: ops.seed_tail(c, layout, 0, k, g, s, implementation=impl,
                                                                       **kw)
             res[impl], _ = time_chain(step, layout.allocate(0), *args, tslot, reps=reps)

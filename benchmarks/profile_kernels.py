@@ -55,8 +55,8 @@ def main(argv=None):
     calls.append((f"compress {tokens // 1024}k", lambda c: ops.compress_prefill(c, layout, 0, pre["key"], pre["gate"], ape,
                                                                   pre["slot_mapping"], implementation="pallas"),
                   layout))
-    calls.append((f"seed {tokens // 1024}k request_ends", lambda c: ops.seed_tail(c, layout, 0, pre["key"], pre["gate"],
-                                                                    pre["tslot"], request_ends=ends,
+    calls.append((f"seed {tokens // 1024}k with ends", lambda c: ops.seed_tail(c, layout, 0, pre["key"], pre["gate"],
+                                                                    pre["tslot"], request_ends_tokens=ends,
                                                                     implementation="pallas"), layout))
     dl = tw.CacheLayout(cfg, num_layers=1, num_blocks=b * 6 + 2)
     dctx = 4 * cfg.block_size - 8

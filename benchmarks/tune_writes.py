@@ -85,7 +85,7 @@ def main(argv=None):
         ref_s = lambda c, *x: ops.seed_tail(c, layout, 0, *x, implementation="xla")
         rows.append(variant("all rows", f"seed {total} tok", lambda c, *x: seed_kernel(c, s, *x), ref_s,
                             layout, sargs, reps, trials))
-        rows.append(variant("request_ends", f"seed {total} tok",
+        rows.append(variant("request_ends_tokens", f"seed {total} tok",
                             lambda c, *x: seed_kernel(c, s, *x, ends), ref_s, layout, sargs, reps, trials))
     for nn in (1, 4):
         b = 4 if a.quick else 256

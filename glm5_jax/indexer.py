@@ -153,7 +153,7 @@ class Indexer(nnx.Module):
                                      batch["pre_slot_pools"].reshape(-1), **kw)
         # the seed visits only each chunk's last kpool rows (same bytes, cost per request)
         cache = ops.seed_tail(cache, layout, layer, pk, pg, batch["pre_tslots"].reshape(-1),
-                              request_ends=prefill_row_ends(batch["pre_positions"]), fault=fault, **kw)
+                              request_ends_tokens=prefill_row_ends(batch["pre_positions"]), fault=fault, **kw)
         # 3. read path, after every write of this layer (spec 1.3, 1.4)
         q8, wq = ops.prepare_queries(q, w, **kw)
         pages = batch["page_table_pages"]

@@ -152,12 +152,12 @@ def _strides(layout, layer, fault):
     return layout.strides(layer, fault=fault)
 
 
-def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, request_ends=None,
+def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, request_ends_tokens=None,
               implementation=None, interpret=None, fault=None):
     """Seed each request's tail ring with its last kpool tokens of the batch (spec 5.3).
 
     key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots (-1 = padding).
-    request_ends: optional [N] int32, one past the last row of each request in the
+    request_ends_tokens: optional [N] int32, one past the last row of each request in the
     batch (vLLM's query_start_loc[1:]; <= 0 marks a padding entry). It changes no
     byte written; it lets the kernel visit only each request's last kpool rows, so
     the cost no longer grows with the prompt length. Each request's rows must be
@@ -169,22 +169,22 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
     _check(op, "key", key, (t, 128), _BF16)
     _check(op, "gate", gate, (t, 128), _BF16)
     _check(op, "tslot", tslot, (t,), _INT)
-    if request_ends is not None:
-        _check(op, "request_ends", request_ends, (request_ends.shape[0],), _INT)
-        if _concrete(request_ends):
+    if request_ends_tokens is not None:
+        _check(op, "request_ends_tokens", request_ends_tokens, (request_ends_tokens.shape[0],), _INT)
+        if _concrete(request_ends_tokens):
             import numpy as np
-            e = np.asarray(request_ends)
+            e = np.asarray(request_ends_tokens)
             if (e > t).any():
-                raise ValueError(f"{op}: request_ends must be <= the batch's {t} rows, got max {e.max()}")
+                raise ValueError(f"{op}: request_ends_tokens must be <= the batch's {t} rows, got max {e.max()}")
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)
     if impl == "xla":
         return ref.seed_tail_strides(cache, s, key, gate, tslot)
     if impl == "triton":
         from pallas_kernels.triton_lang.tail_seed import seed_tail as triton_kernel
-        return triton_kernel(cache, s, key, gate, tslot, request_ends)
+        return triton_kernel(cache, s, key, gate, tslot, request_ends_tokens)
     from pallas_kernels.tail_seed import seed_tail as kernel
-    return kernel(cache, s, key, gate, tslot, request_ends, interpret=interpret)
+    return kernel(cache, s, key, gate, tslot, request_ends_tokens, interpret=interpret)
 
 
 def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, *,

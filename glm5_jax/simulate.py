@@ -305,14 +305,15 @@ class _WatchedBytes:
     def __init__(self, eng, shard: int, ranges_bytes):
         import jax
         import numpy as np
+        from pallas_kernels.addressing import view_row_col
         from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
 
         from . import sharding
         words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in ranges_bytes])
         device = next(iter(sharding.device_shard(eng.cache, shard).devices()))
         self.shard = shard
-        self.rows, self.cols = jax.device_put(((words // VIEW_COLS).astype(np.int32),         # [n] each
-                                               (words % VIEW_COLS).astype(np.int32)), device)
+        rows, cols = view_row_col(words)                                                      # [n] each
+        self.rows, self.cols = jax.device_put((rows.astype(np.int32), cols.astype(np.int32)), device)
         self._gather = jax.jit(lambda c, r, k: c.reshape(-1, VIEW_COLS)[r, k])
 
     def read(self, eng):

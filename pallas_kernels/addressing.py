@@ -97,6 +97,12 @@ def global_word(s: CacheStrides, local_words):
     return s.index_base_bytes // WORD_BYTES + local_words
 
 
+def view_row_col(global_words):
+    """(row, col) in the [rows, VIEW_COLS] view of global word addresses (numpy int64,
+    host side: e.g. to gather watched bytes on the device without a flat index)."""
+    return _split(0, global_words)
+
+
 # ---- pages and page tables (read path) ------------------------------------------
 # A page table row lists, per request, the page ids of its pools in page units:
 # request-relative pool m lives in page table[col] at row r, (col, r) = pool_page_row(s, m).

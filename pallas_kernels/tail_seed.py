@@ -6,7 +6,7 @@ tail block ``tslot // ring`` (K half and gate half), which alias the start of
 indexer block ``tslot // ring`` of this layer. Nothing else.
 
 Grid: one program per tile of TILE_TOKENS candidate rows. Candidates are every
-row of the batch, or, when the caller passes ``request_ends`` (one past each
+row of the batch, or, when the caller passes ``request_ends_tokens`` (one past each
 request's last row), only the last kpool rows of each request: then the grid
 and the cost depend on the number of requests, not on the prompt length. Either
 way the tail slots of a candidate and of the row kpool ahead decide whether it
@@ -63,17 +63,17 @@ def _kernel(ends_ref, tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: 
 
 
 @functools.partial(jax.jit, static_argnames=("s", "interpret"))
-def seed_tail(cache, s: CacheStrides, key, gate, tslot, request_ends=None, *, interpret=None):
+def seed_tail(cache, s: CacheStrides, key, gate, tslot, request_ends_tokens=None, *, interpret=None):
     """cache: [total_words] u32; key, gate: [T, 128] bf16; tslot: [T] i32;
-    request_ends: optional [N] i32, one past each request's last row (<= 0: none).
+    request_ends_tokens: optional [N] i32, one past each request's last row (<= 0: none).
     Returns the new cache."""
     t = key.shape[0]
     if t == 0:
         return cache
-    if request_ends is None:
+    if request_ends_tokens is None:
         ends, n_ends, cands = jnp.zeros((1,), jnp.int32), 0, t
     else:
-        ends, n_ends = request_ends.astype(jnp.int32), request_ends.shape[0]
+        ends, n_ends = request_ends_tokens.astype(jnp.int32), request_ends_tokens.shape[0]
         cands = n_ends * s.kpool
         if n_ends == 0:
             return cache

@@ -22,6 +22,7 @@ from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
+from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
 from pallas_kernels.triton_lang import _call
 from write_cases import (CASES, SENTINEL, as_bytes, assert_same_snapshots, assert_updates_in_place,
                          check_padded_stride, ops_writers, random_workload, request_ends_case, run_writes,
@@ -86,11 +87,11 @@ def test_padded_stride_regression_triton(rng, fault):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kpool", [4, 16])
 def test_triton_seed_with_request_ends(rng, kpool):
-    """request_ends (only each request's last kpool rows visited) writes the reference's bytes."""
+    """request_ends_tokens (only each request's last kpool rows visited) writes the reference's bytes."""
     _require_triton()
     layout, layer, args, ends = request_ends_case(rng, kpool)
     want = as_bytes(ops.seed_tail(layout.allocate(SENTINEL), layout, layer, *args, implementation="xla"))
-    got = as_bytes(ops.seed_tail(layout.allocate(SENTINEL), layout, layer, *args, request_ends=ends,
+    got = as_bytes(ops.seed_tail(layout.allocate(SENTINEL), layout, layer, *args, request_ends_tokens=ends,
                                  implementation="triton"))
     assert (want != SENTINEL).any()
     np.testing.assert_array_equal(got, want)
@@ -186,7 +187,8 @@ def test_triton_large_cache(rng, gib):
     assert ndiff == 0, f"{ndiff} words differ between the Triton kernels and the reference"
     lo_bytes = layout.block_byte_range(layer, blocks - 3)[0]
     assert lo_bytes >= 2**31
-    assert _changed_words_from(out["triton"], lo_bytes // 4096, 0x5A5A5A5A) > 0   # 4096 B per view row
+    row_bytes = VIEW_COLS * WORD_BYTES                                             # one view row
+    assert _changed_words_from(out["triton"], lo_bytes // row_bytes, 0x5A5A5A5A) > 0
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ def test_seed_with_request_ends_matches_reference(rng, kpool):
     assert (want != SENTINEL).any()
     for impl in ("pallas", "xla"):
         got = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 1, *args,
-                                       request_ends=jnp.asarray(ends), implementation=impl)).view(np.uint8)
+                                       request_ends_tokens=jnp.asarray(ends), implementation=impl)).view(np.uint8)
         diff = np.nonzero(got != want)[0]
         assert diff.size == 0, f"{impl}: {diff.size} bytes differ, first at {diff[:1]}"
 
@@ -42,9 +42,9 @@ def test_seed_request_ends_past_the_batch_is_rejected(rng):
     layout = CacheLayout(IndexerConfig(block_size=512), num_layers=1, num_blocks=4)
     key = jnp.zeros((8, 128), jnp.bfloat16)
     cache = layout.allocate(SENTINEL)
-    with pytest.raises(ValueError, match="request_ends must be <="):
+    with pytest.raises(ValueError, match="request_ends_tokens must be <="):
         ops.seed_tail(cache, layout, 0, key, key, jnp.zeros((8,), jnp.int32),
-                      request_ends=jnp.asarray([4, 9], jnp.int32), implementation="pallas")
+                      request_ends_tokens=jnp.asarray([4, 9], jnp.int32), implementation="pallas")
     assert (np.asarray(cache).view(np.uint8) == SENTINEL).all()
 
 
@@ -66,7 +66,7 @@ def test_compress_tile_shapes_match_reference(rng, tile_pools, num_warps):
 
 
 def test_engine_request_ends_from_step_metadata_seed_the_same_bytes(rng):
-    """The indexer derives request_ends from the prefill grid (prefill_row_ends): with
+    """The indexer derives request_ends_tokens from the prefill grid (prefill_row_ends): with
     them the seed kernel writes the reference's bytes for chunks of any length and
     start (non-aligned starts put head tokens in the grid row)."""
     from glm5_jax.indexer import prefill_row_ends
@@ -88,6 +88,6 @@ def test_engine_request_ends_from_step_metadata_seed_the_same_bytes(rng):
     want = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 0, key, gate, tslot,
                                     implementation="xla")).view(np.uint8)
     got = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 0, key, gate, tslot,
-                                   request_ends=prefill_row_ends(pos), implementation="pallas")).view(np.uint8)
+                                   request_ends_tokens=prefill_row_ends(pos), implementation="pallas")).view(np.uint8)
     assert (want != SENTINEL).any()
     np.testing.assert_array_equal(got, want)

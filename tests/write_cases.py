@@ -127,10 +127,10 @@ def check_padded_stride(rng, seed_strides, fault):
 
 
 def request_ends_case(rng, kpool: int):
-    """A flat prefill for seed_tail's request_ends mode: a long request, requests shorter
+    """A flat prefill for seed_tail's request_ends_tokens mode: a long request, requests shorter
     than kpool (their last-kpool window reaches into the previous request), one ending on
-    a pool boundary, padding rows, and padding entries (0, -1) in request_ends.
-    Returns (layout, layer, (key, gate, tslot), request_ends [N] i32)."""
+    a pool boundary, padding rows, and padding entries (0, -1) in request_ends_tokens.
+    Returns (layout, layer, (key, gate, tslot), request_ends_tokens [N] i32)."""
     cfg = IndexerConfig(kpool=kpool, block_size=512 if kpool == 4 else 2048)
     layout = CacheLayout(cfg, num_layers=2, num_blocks=14)
     lengths = [int(rng.integers(3 * kpool, 5 * kpool)), int(rng.integers(1, kpool)), 1, 2 * kpool,

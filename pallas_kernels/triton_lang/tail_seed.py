@@ -7,7 +7,7 @@ indexer block ``tslot // ring`` of this layer. Nothing else.
 
 Split of work: ``seed_targets`` (XLA, through ``addressing``) lists the
 candidate rows - every row of the batch or, when the caller passes
-``request_ends`` (one past each request's last row), only the last kpool rows of
+``request_ends_tokens`` (one past each request's last row), only the last kpool rows of
 each request, so the cost depends on the number of requests and not on the
 prompt length - applies the reference's rule (look kpool rows ahead: end of
 batch, padding or another tail block) and gives each seeded candidate its
@@ -34,10 +34,10 @@ TILE_TOKENS = 16
 NUM_WARPS = 4
 
 
-def seed_targets(s: CacheStrides, tslot, request_ends=None):
-    """tslot [T] i32 (request_ends [N] i32 or None) -> (src [M] i32, dst [M, 4] i32).
+def seed_targets(s: CacheStrides, tslot, request_ends_tokens=None):
+    """tslot [T] i32 (request_ends_tokens [N] i32 or None) -> (src [M] i32, dst [M, 4] i32).
 
-    M = T candidates (every row), or N * kpool with request_ends (row end - kpool + j
+    M = T candidates (every row), or N * kpool with request_ends_tokens (row end - kpool + j
     of each request; entries <= 0 are padding). src: the row a seeded candidate
     copies, -1 if it seeds nothing (padding, invalid slot, not among its request's
     last kpool rows of the batch); dst: (K row, K col, gate row, gate col) of the
@@ -47,11 +47,11 @@ def seed_targets(s: CacheStrides, tslot, request_ends=None):
     """
     t = tslot.shape[0]
     r = s.kpool
-    if request_ends is None:
+    if request_ends_tokens is None:
         i = jnp.arange(t, dtype=jnp.int32)                                         # [M]
     else:
-        c = jnp.arange(request_ends.shape[0] * r, dtype=jnp.int32)
-        end = request_ends[c // r]
+        c = jnp.arange(request_ends_tokens.shape[0] * r, dtype=jnp.int32)
+        end = request_ends_tokens[c // r]
         i = jnp.where(end > 0, end - r + c % r, -1)
     in_range = (i >= 0) & (i < t)
     ts = jnp.where(in_range, tslot[jnp.clip(i, 0, t - 1)], -1)
@@ -90,14 +90,14 @@ def seed_tail_kernel(M, src_ptr, dst_ptr, key_ptr, gate_ptr, cache_in_ptr, cache
         tl.store(cache_ptr + word_index(row, col)[:, None] + w[None, :], words, mask=m & (row >= 0)[:, None])
 
 
-def plan(cache, s: CacheStrides, key, gate, tslot, request_ends=None, *, tile_tokens=TILE_TOKENS,
+def plan(cache, s: CacheStrides, key, gate, tslot, request_ends_tokens=None, *, tile_tokens=TILE_TOKENS,
          num_warps=NUM_WARPS):
     """The launch of seed_tail (None when there is nothing to write)."""
     t = key.shape[0]
-    if t == 0 or (request_ends is not None and request_ends.shape[0] == 0):
+    if t == 0 or (request_ends_tokens is not None and request_ends_tokens.shape[0] == 0):
         return None
     src, dst = seed_targets(s, tslot.astype(jnp.int32),
-                            None if request_ends is None else request_ends.astype(jnp.int32))
+                            None if request_ends_tokens is None else request_ends_tokens.astype(jnp.int32))
     m = src.shape[0]
     return _call.Launch(seed_tail_kernel, (src, dst, key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), cache),
                         cache_index=4, grid=(-(-m // tile_tokens),), num_warps=num_warps,
@@ -105,10 +105,10 @@ def plan(cache, s: CacheStrides, key, gate, tslot, request_ends=None, *, tile_to
 
 
 @functools.partial(jax.jit, static_argnames=("s", "tile_tokens", "num_warps"))
-def seed_tail(cache, s: CacheStrides, key, gate, tslot, request_ends=None, *, tile_tokens=TILE_TOKENS,
+def seed_tail(cache, s: CacheStrides, key, gate, tslot, request_ends_tokens=None, *, tile_tokens=TILE_TOKENS,
               num_warps=NUM_WARPS):
-    """cache: [total_words] u32; key, gate: [T, 128] bf16; tslot: [T] i32; request_ends:
+    """cache: [total_words] u32; key, gate: [T, 128] bf16; tslot: [T] i32; request_ends_tokens:
     optional [N] i32, one past each request's last row (<= 0: none). Returns the new cache.
     tile_tokens (a power of two) and num_warps are launch parameters: same bytes."""
-    launch = plan(cache, s, key, gate, tslot, request_ends, tile_tokens=tile_tokens, num_warps=num_warps)
+    launch = plan(cache, s, key, gate, tslot, request_ends_tokens, tile_tokens=tile_tokens, num_warps=num_warps)
     return cache if launch is None else _call.run(launch)

@@ -242,7 +242,7 @@ def check_padded_stride(rng):
 
 
 def check_launch_variants(rng):
-    """seed_tail's request_ends mode and other tiles / warp counts (as tests/test_triton.py)."""
+    """seed_tail's request_ends_tokens mode and other tiles / warp counts (as tests/test_triton.py)."""
     import write_cases as W
     from glm5_jax import reference as ref
     from pallas_kernels.triton_lang import pool_compress as pc, tail_seed as ts
@@ -253,7 +253,7 @@ def check_launch_variants(rng):
         want = W.as_bytes(ref.seed_tail_strides(layout.allocate(W.SENTINEL), s, *args))
         got = W.as_bytes(interpret(ts.plan(layout.allocate(W.SENTINEL), s, *args, ends)))
         n = int((want != got).sum())
-        print(f"  seed request_ends kpool={kpool}: {n} bytes differ ({int((want != W.SENTINEL).sum())} written)")
+        print(f"  seed request_ends_tokens kpool={kpool}: {n} bytes differ ({int((want != W.SENTINEL).sum())} written)")
         bad += n
     layout, key, gate, ape, slot = W.tile_case(rng)
     s = layout.strides(0)
