@@ -43,8 +43,26 @@ def cudart():
     return None
 
 
+def chain_hlo_ops(fn, state, reps=3):
+    """Kinds of top-level work (custom calls, fusions, copies) in the compiled chain of `reps` calls."""
+    import re
+    import functools
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def chain(s):
+        for _ in range(reps):
+            s = fn(s)
+        return s
+    text = chain.lower(state).compile().as_text()
+    entry = text[text.rfind("ENTRY"):]
+    kinds = re.findall(r"= [^ ]+ (custom-call|fusion|copy|scatter|gather|while|dynamic-update-slice)\(", entry)
+    return {k: kinds.count(k) for k in sorted(set(kinds))}, chain
+
+
 def main(argv=None):
-    quick = "--quick" in (sys.argv[1:] if argv is None else argv)     # CPU smoke run: tiny sizes
+    argv = sys.argv[1:] if argv is None else argv
+    quick = "--quick" in argv                                          # CPU smoke run: tiny sizes
+    chains = "--chains" in argv     # the write ops and an empty launch as chains of 3 calls in one jit
     rng = np.random.default_rng(0)
     cfg = IndexerConfig(block_size=512, topk=64) if quick else IndexerConfig()
     tokens, n_req, b, rb, rctx, tk = (512, 4, 4, 2, 2048, (4, 2048, 64)) if quick else (
@@ -78,7 +96,26 @@ def main(argv=None):
     lens = jnp.full(tk[:1], tk[1], jnp.int32)
     read.append((f"topk [{tk[0]},{tk[1]}] k={tk[2]}", lambda: ops.topk_pools(x, lens, tk[2], implementation="pallas")))
 
-    jitted = [(n, jax.jit(f, donate_argnums=0), lay) for n, f, lay in calls]
+    if chains:
+        from _timing import _empty_kernel  # noqa: E402
+        from pallas_kernels import _backend as B
+        empty = jax.ShapeDtypeStruct((1024,), jnp.uint32)
+
+        class _Tiny:
+            @staticmethod
+            def allocate(_):
+                return jnp.zeros(empty.shape, empty.dtype)
+        calls.append(("empty launch", lambda s: B.pallas_call(
+            _empty_kernel, grid=(1,), out_shape=empty, input_output_aliases={0: 0}, interpret=None,
+            name="empty", num_warps=1)(s), _Tiny))
+        jitted = []
+        for n, f, lay in calls:
+            kinds, chain = chain_hlo_ops(f, lay.allocate(0))
+            print(f"chain of 3 x {n}: compiled top-level ops {kinds}")
+            jitted.append((n + " x3", chain, lay))
+        read = []
+    else:
+        jitted = [(n, jax.jit(f, donate_argnums=0), lay) for n, f, lay in calls]
     caches = {}
     for n, f, lay in jitted:                              # compile + warm up
         caches[n] = jax.block_until_ready(f(lay.allocate(0)))
