@@ -79,6 +79,7 @@ class Launch:
     name: str
     constexprs: dict
     scalars: tuple = ()
+    fp_fusion: bool = True          # Triton's enable_fp_fusion (mul + add -> FMA)
 
     def __post_init__(self):
         for k, v in self.constexprs.items():
@@ -115,5 +116,6 @@ def run(launch: Launch):
         name=launch.name,
         num_warps=launch.num_warps,
         num_stages=1,
+        enable_fp_fusion=launch.fp_fusion,
         **launch.constexprs,
     )
