@@ -3,7 +3,9 @@
 Usage (on the H200):
     PYTHONPATH=$PWD python benchmarks/bench_writes.py [--quick] [--impls pallas,triton,xla] [--json out.json]
 
-For each case and implementation it prints the time per call, the bytes the op
+For each case and implementation it prints the time per call (``_timing.time_chain``:
+the cost of one more call in a jitted chain, so the fixed cost of dispatching the
+jit is not in it), the bytes the op
 must move (each input read once, each output written once), the achieved
 fraction of the device-to-device copy bandwidth measured in this run, the ratio
 to an empty Pallas launch, and the speed-up over the XLA reference (when "xla"
@@ -26,6 +28,7 @@ from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+import _timing  # noqa: E402
 from _timing import copy_bandwidth, empty_launch_seconds, time_chain  # noqa: E402
 
 
@@ -134,7 +137,8 @@ def main(argv=None):
         add(bench_prefill(rng, total, 4 if a.quick else 64, reps, impls))
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
           f"implementations {', '.join(impls)}")
-    print(f"copy bandwidth measured now: {bw / 1e12:.2f} TB/s; empty Pallas launch: {empty * 1e6:.2f} us\n")
+    print(f"copy bandwidth measured now: {bw / 1e12:.2f} TB/s; empty Pallas launch: {empty * 1e6:.2f} us "
+          f"(times: one more call in a jitted chain, {reps} vs {_timing.LONG * reps} calls)\n")
     hdr = (f"{'kernel':<18}{'case':<24}{'impl':<8}{'us/call':>10}{'MB moved':>10}{'frac copy BW':>14}"
            f"{'x empty':>9}{'vs XLA':>9}")
     print(hdr)

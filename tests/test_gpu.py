@@ -12,7 +12,7 @@ from glm5_jax import ops, reference as ref
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
-from write_cases import assert_updates_in_place, write_ops
+from write_cases import assert_pools_golden, assert_updates_in_place, many_pools_case, write_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -74,3 +74,11 @@ def test_out_of_range_slots_never_write(rng):
                           jnp.zeros((4, 128), jnp.float32), slot.reshape(16, 4), tslot.reshape(16, 4), pos,
                           implementation="pallas")
     assert int(jnp.sum(c != jnp.uint32(0x33333333))) == 0
+
+
+def test_compress_many_pools_matches_golden(rng):
+    """65,536 fresh random pools through the compiled Pallas kernel == the golden model."""
+    layout, sc, pre = many_pools_case(rng)
+    c = ops.compress_prefill(layout.allocate(0x5A), layout, 0, pre["key"], pre["gate"], jnp.asarray(sc.ape),
+                             pre["slot_mapping"], implementation="pallas")
+    assert_pools_golden(c, layout, sc, "pallas compress")

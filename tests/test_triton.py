@@ -24,9 +24,9 @@ from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
 from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
 from pallas_kernels.triton_lang import _call
-from write_cases import (CASES, SENTINEL, as_bytes, assert_same_snapshots, assert_updates_in_place,
-                         check_padded_stride, ops_writers, random_workload, request_ends_case, run_writes,
-                         tile_case, write_ops)
+from write_cases import (CASES, SENTINEL, as_bytes, assert_pools_golden, assert_same_snapshots,
+                         assert_updates_in_place, check_padded_stride, many_pools_case, ops_writers,
+                         random_workload, request_ends_case, run_writes, tile_case, write_ops)
 
 ON_GPU = jax.default_backend() == "gpu"
 WRITE_OPS = ("seed_tail", "compress_prefill", "decode_update")
@@ -189,6 +189,24 @@ def test_triton_large_cache(rng, gib):
     assert lo_bytes >= 2**31
     row_bytes = VIEW_COLS * WORD_BYTES                                             # one view row
     assert _changed_words_from(out["triton"], lo_bytes // row_bytes, 0x5A5A5A5A) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp_fusion", [False, True], ids=["fma-off", "fma-on"])
+def test_triton_compress_many_pools_matches_golden(rng, fp_fusion):
+    """65,536 fresh random pools through the Triton compress == the golden model, with
+    Triton's FMA contraction off (the launches' setting) and on (its default: the
+    numerics must not depend on it; before numerics._split12 used only bits, 21 of
+    65,536 pools differed with it on)."""
+    import dataclasses
+    _require_triton()
+    from pallas_kernels.triton_lang import pool_compress as tpc
+    layout, sc, pre = many_pools_case(rng)
+    launch = tpc.plan(layout.allocate(0x5A), layout.strides(0), pre["key"], pre["gate"], jnp.asarray(sc.ape),
+                      pre["slot_mapping"])
+    assert launch.fp_fusion is False
+    c = _call.run(dataclasses.replace(launch, fp_fusion=fp_fusion))
+    assert_pools_golden(c, layout, sc, f"triton compress, fp_fusion={fp_fusion}")
 
 
 @pytest.mark.gpu

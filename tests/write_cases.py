@@ -187,3 +187,28 @@ def assert_updates_in_place(f, layout, kernel_marker: str | None = None):
     ptr = cache.unsafe_buffer_pointer()
     out = jf(cache)
     assert out.unsafe_buffer_pointer() == ptr, "the cache did not stay in place"
+
+
+def many_pools_case(rng, per_request_tokens: int = 65536, n_requests: int = 4):
+    """A prefill of n_requests x per_request_tokens fresh random rows (65,536 pools by
+    default): enough pools to catch a numerics difference that hits ~1 pool in 3,000
+    (Triton's FMA contraction did, in 21 of 65,536)."""
+    cfg = IndexerConfig()
+    layout = CacheLayout(cfg, num_layers=1,
+                         num_blocks=n_requests * (per_request_tokens // cfg.block_size + 2) + 2)
+    sc = Scenario.random(rng, layout, [per_request_tokens] * n_requests)
+    pre = {k: jnp.asarray(v) for k, v in sc.prefill([per_request_tokens] * n_requests).items()}
+    return layout, sc, pre
+
+
+def assert_pools_golden(cache, layout, sc, what: str):
+    """Every pool of every request equals the paging-free golden model, byte for byte."""
+    keys, scales = layout.pool_keys(cache, sc.layer)
+    keys, scales = np.asarray(keys).view(np.uint8), np.asarray(scales).view(np.uint32)
+    bad, total = 0, 0
+    for i in range(len(sc.requests)):
+        gk, gs = sc.golden_pools(i)
+        slots = sc.pool_slots(i, gk.shape[0])
+        bad += int(((keys[slots] != gk).any(1) | (scales[slots] != gs.view(np.uint32))).sum())
+        total += gk.shape[0]
+    assert total > 0 and bad == 0, f"{what}: {bad} of {total} pools differ from the golden model"

@@ -5,10 +5,14 @@ Every function takes tiles of shape [M, 128] (M a power of two; a single row is
 [1, 128]) and is a ``@triton.jit`` helper inlined into the kernels. What makes
 the bits match across backends (see numerics.py and docs/design.md):
 
-* ``mac`` forms c + a*b from four exact 12 x 12-bit partial products, so
-  Triton's default FMA contraction gives the same result as a separate multiply
-  and add; every other product that reaches an add is exact too (n * ln2 parts,
-  powers of two), so contraction never changes a bit.
+* ``mac`` forms c + a*b from four exact 12 x 12-bit partial products, so an
+  FMA and a separate multiply and add round alike; the split of an operand into
+  12-bit halves uses only its bits (``split12``), because Triton contracted the
+  old ``lo = a - hi`` with the product that made ``a`` (measured on the H200:
+  21 of 65,536 pools off by one fp8 step); every other product that reaches an
+  add is exact (n * ln2 parts, powers of two). On top of that the launches turn
+  Triton's FMA contraction off (``_call.Launch.fp_fusion``), like the Pallas
+  path; the GPU tests check both settings against the golden model.
 * no Triton ``exp``, ``exp2``, ``log2`` or f32 division: ``exp_f32`` (Cody-Waite +
   degree-9 polynomial + exponent bits) and ``recip_f32`` (bit seed + 4 Newton
   steps) are built from add, mul, floor and integer bit operations;
@@ -73,9 +77,12 @@ def bf16_to_f32(x):
 # ---- exact-product multiply-add, exp, reciprocal ---------------------------------
 @triton.jit
 def split12(a):
-    """a = hi + lo exactly, each with at most 12 significant bits."""
-    hi = as_f32(as_u32(a) & 0xFFFFF000)
-    return hi, a - hi
+    """numerics._split12: a = hi + lo exactly from a's bits (never ``a - hi``, which
+    Triton's FMA contraction computes from the unrounded product)."""
+    u = as_u32(a)
+    hi = as_f32(u & 0xFFFFF000)
+    lo = as_f32(u & 0xFF800FFF) - as_f32(u & 0xFF800000)
+    return hi, lo
 
 
 @triton.jit

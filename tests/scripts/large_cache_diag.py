@@ -20,6 +20,7 @@ from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
+from pallas_kernels import addressing as addr
 from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
 
 GIB = int(sys.argv[1]) if len(sys.argv) > 1 else 9
@@ -54,10 +55,14 @@ def run(impl, layout, layer, sc, pre, st):
 
 @jax.jit
 def diff_places(x, y):
+    """(count, rows [16], cols [16]) of differing words in the [rows, 1024] view.
+    Rows first, then columns within those rows: a nonzero over all 2**31+ words
+    would need 64-bit positions."""
     v = (x != y).reshape(-1, VIEW_COLS)
-    n = jnp.sum(v.astype(jnp.int32))
-    r, c = jnp.nonzero(v, size=16, fill_value=-1)
-    return n, r, c
+    n = jnp.sum(jnp.sum(v.astype(jnp.int32), axis=1))
+    (r,) = jnp.nonzero(jnp.any(v, axis=1), size=16, fill_value=-1)
+    c = jnp.argmax(v[jnp.maximum(r, 0)], axis=1)
+    return n, r, jnp.where(r >= 0, c, -1)
 
 
 def where(layout, word):
@@ -88,7 +93,8 @@ def main():
                     words[int(rr) * VIEW_COLS + int(cc)] = True
             found |= int(n) > 0
         for w in sorted(words):
-            vals = {i: f"{int(out[i][w]):08x}" for i in impls}
+            row, col = (int(v) for v in addr.view_row_col(np.int64(w)))
+            vals = {i: f"{int(out[i].reshape(-1, VIEW_COLS)[row, col]):08x}" for i in impls}
             print(f"  word {w} ({where(layout, w)}): {vals}")
         if found:
             bad += 1
