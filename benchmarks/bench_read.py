@@ -178,6 +178,32 @@ LOGITS_SWEEP = [(1, 8, 4), (2, 4, 4), (4, 2, 4), (8, 1, 4), (4, 2, 8), (8, 1, 8)
 # (docs/results/2026-11-30_s2_bench_read_sweep_run2.txt) ranked 10 shapes: larger
 # chunks and 8 warps lost, the pre-filter won 1.37x; these are the ones left open
 TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528, 4, 4)]
+# filter mode (topk.Tuning keyword arguments): Pallas floor, one filter pass into
+# per-(row, split) lists of filter_cap slots, one select program per row
+TOPK_FILTER_SWEEP = [
+    dict(mode="filter"),                                                  # span 4096, cap 128, 4/8 warps
+    dict(mode="filter", filter_span=2048, filter_cap=64),
+    dict(mode="filter", filter_span=8192, filter_cap=128),
+    dict(mode="filter", filter_span=8192, filter_chunk=2048, filter_cap=128),
+    dict(mode="filter", filter_cap=64),
+    dict(mode="filter", num_warps=8),
+    dict(mode="filter", row_warps=4),
+    dict(mode="filter", row_warps=16),
+]
+TOPK_FILTER_QUICK = [dict(mode="filter"), dict(mode="filter", filter_span=512, filter_cap=64)]
+
+
+def topk_tuning(v):
+    """A TOPK_SWEEP tuple (positional Tuning fields) or a dict of Tuning keywords."""
+    from pallas_kernels import topk as tk
+    return tk.Tuning(**v) if isinstance(v, dict) else tk.Tuning(*v)
+
+
+def topk_label(t) -> str:
+    if t.mode == "filter":
+        return (f"filter span={t.filter_span} ld={t.filter_chunk} cap={t.filter_cap} "
+                f"warps={t.num_warps}/{t.row_warps}")
+    return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 
 
 def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
@@ -207,13 +233,16 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
     cases = [(f"topk [{r_}, {n_}] k={k_}", x, jnp.full((r_,), n_, jnp.int32), k_)]
     for name, sc, ln, k in cases:
         ref_ids = np.asarray(ops.topk_pools(sc, ln, k, implementation="xla"))
-        for v in (TOPK_SWEEP[:2] if quick else TOPK_SWEEP):
-            t = tk.Tuning(*v)
+        variants = (TOPK_SWEEP[:2] + TOPK_FILTER_QUICK) if quick else (TOPK_SWEEP + TOPK_FILTER_SWEEP)
+        for v in variants:
+            t = topk_tuning(v)
             f = jax.jit(lambda x_, l_, t=t, k=k: tk.topk_pools(x_, l_, k, tune=t))
             ok = bool((np.asarray(f(sc, ln)) == ref_ids).all())
+            # filter mode: a list overflow runs the stream path instead (timed as such)
+            fell_back = t.mode == "filter" and bool(tk.filter_overflowed(sc, ln, k, tune=t))
             sec = time_read(f, (sc, ln), reps, trials) if ok else float("nan")
-            rows.append(dict(kind="sweep", case=name, impl=f"chunk={v[0]} progs={v[1]} bpk={v[2]} warps={v[3]}"
-                             + ("" if ok else " WRONG"), s=sec, ok=ok))
+            rows.append(dict(kind="sweep", case=name, impl=topk_label(t) + (" FALLBACK" if fell_back else "")
+                             + ("" if ok else " WRONG"), s=sec, ok=ok, fallback=fell_back))
     for r in rows:                                      # speed-up over the case's first variant
         first = next(x for x in rows if x["case"] == r["case"])
         r["vs_base"] = first["s"] / r["s"]

@@ -81,7 +81,8 @@ def main(argv=None) -> int:
                    compilations=rep["compilations"], wall_s=rep["wall_s"], compile_step_s=rep["compile_step_s"],
                    tokens_per_s=rep["tokens_per_s"], per_device_tokens_per_s=[s["tokens_per_s"] for s in rep["shards"]],
                    evictions=rep["evictions"], per_device_evictions=[s["evictions"] for s in rep["shards"]],
-                   probe_ok=rep["ok"], per_device_probe_ok=[s["ok"] for s in rep["shards"]])
+                   probe_ok=rep["ok"], per_device_probe_ok=[s["ok"] for s in rep["shards"]],
+                   phase_seconds=rep["phase_seconds"])
         row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0
         row["efficiency"] = row["speedup"] / n
         rows.append(row)
@@ -98,6 +99,13 @@ def main(argv=None) -> int:
         print(f"{r['devices']:>7} {r['requests']:>8} {r['processed_tokens']:>10,} {r['steps']:>6} {run_s:>7.1f} "
               f"{r['tokens_per_s']:>10,.0f} {per:>22} {r['speedup']:>7.2f}x {r['efficiency']:>5.0%} "
               f"{r['evictions']:>6} {'PASS' if r['probe_ok'] else 'FAIL':>5}")
+    phases = list(rows[0]["phase_seconds"])
+    print("\nwhere a step's wall time goes (ms per step, steps that did not compile; probe = simulate's "
+          "watched-bytes check):")
+    print(f"{'devices':>7} " + " ".join(f"{p:>14}" for p in phases))
+    for r in rows:
+        print(f"{r['devices']:>7} " + " ".join(f"{r['phase_seconds'][p] / max(r['steps'] - r['compilations'], 1) * 1e3:>14.2f}"
+                                             for p in phases))
     top = rows[-1]
     probes_ok = all(r["probe_ok"] for r in rows)
     ok = probes_ok and (len(rows) == 1 or top["speedup"] >= a.goal)

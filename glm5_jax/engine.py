@@ -70,7 +70,7 @@ from . import sharding
 from .blocks import BlockPool
 from .layout import CacheLayout
 from .model import Decoder
-from .step_metadata import BucketMins, RowSpec, StepShape, build_step, choose_shape
+from .step_metadata import BucketMins, RowSpec, StepShape, bucket, build_step, choose_shape
 
 _TRACE_COUNT = [0]
 
@@ -89,6 +89,23 @@ def _step_impl(state, cache, batch, *, graphdef, layout, implementation, fault, 
 
 _step = jax.jit(_step_impl, static_argnames=("graphdef", "layout", "implementation", "fault", "mesh"),
                 donate_argnames=("cache",))
+
+
+def _take_rows_impl(selected, rows, *, mesh):
+    """selected [D, L, T, W], rows [D, R] i32 -> [D, L, R, W]: on each device, its own rows."""
+    return sharding.per_shard(lambda sel, r: sel[:, r, :], mesh)(selected, rows)
+
+
+_take_rows = jax.jit(_take_rows_impl, static_argnames=("mesh",))
+
+
+# Phases of Engine.step, in order; Engine.phase_seconds sums each over the steps that
+# did not compile. plan: admission and per-shard row planning; batch: the step's
+# metadata arrays built and put on the devices; dispatch: the jitted step call until
+# it returns (asynchronous); device_wait: until the next tokens reach the host;
+# fetch_selected: the selected-token copy of recorded requests; commit: results
+# applied to requests and block pools.
+STEP_PHASES = ("plan", "batch", "dispatch", "device_wait", "fetch_selected", "commit")
 
 
 def total_traces() -> int:
@@ -252,6 +269,8 @@ class Engine:
         self.shapes_seen: set = set()
         self.step_seconds = 0.0
         self.compile_step_seconds = 0.0     # wall time of the steps that compiled
+        # where the wall time of the steps that did not compile went (host seconds)
+        self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
 
     @property
     def block_pool(self) -> BlockPool:
@@ -442,38 +461,84 @@ class Engine:
 
     def step(self) -> list:
         """Run one engine step on every shard. Returns the ids of requests that finished in it."""
+        clock = [time.perf_counter()]
+        marks = {}
+
+        def mark(phase):
+            now = time.perf_counter()
+            marks[phase] = now - clock[0]
+            clock[0] = now
+
         self._admit()
         if not self._running:
             return []
         plans = [self._plan(s) for s in range(self.num_shards)]
         shape = common_shape(choose_shape(self.config, p.dec_rows, p.pre_rows, next_n=self.next_n,
                                           mins=self.bucket_mins) for p in plans)
+        mark("plan")
         t0 = time.perf_counter()
+        traced = 0
         if self.dry_run:
             next_tok, sel = np.zeros((self.num_shards, shape.num_tokens), np.int32), None
         else:
             batch = self._batch(shape, plans)
+            mark("batch")
             before = _TRACE_COUNT[0]
             self.cache, next_tok, selected = _step(self._state, self.cache, batch, graphdef=self._graphdef,
                                                    layout=self.layout, implementation=self.implementation,
                                                    fault=self.fault, mesh=self.mesh)
+            mark("dispatch")
             next_tok = np.asarray(next_tok)                                  # [D, T]
+            mark("device_wait")
             traced = _TRACE_COUNT[0] - before
             self.compilations += traced
             if traced:
                 self.compile_step_seconds += time.perf_counter() - t0
-            wanted = any(_wants(self.record, r.request_id) for p in plans for r in p.decode + p.prefill)
-            sel = np.array(selected) if wanted else None                     # [D, L, T, W]
+            sel = self._fetch_selected(plans, shape, selected)
+            mark("fetch_selected")
         self.step_seconds += time.perf_counter() - t0
         self.shapes_seen.add(shape)
         self.steps += 1
         finished = []
         for s, plan in enumerate(plans):
             finished += self._commit(s, plan, shape, next_tok[s], None if sel is None else sel[s])
+        mark("commit")
+        if not traced:
+            for phase, sec in marks.items():
+                self.phase_seconds[phase] += sec
         return finished
 
+    def _recorded_rows(self, plan: _ShardPlan, shape: StepShape) -> list:
+        """Flat token rows of one shard's step whose selections are recorded."""
+        nd, np_ = shape.decode_width_tokens, shape.prefill_width_tokens
+        base = shape.decode_rows * nd
+        rows = []
+        for i, (req, row) in enumerate(zip(plan.decode, plan.dec_rows)):
+            if _wants(self.record, req.request_id):
+                rows += range(i * nd, i * nd + len(row.token_ids))
+        for j, (req, row) in enumerate(zip(plan.prefill, plan.pre_rows)):
+            if _wants(self.record, req.request_id):
+                rows += range(base + j * np_, base + j * np_ + len(row.token_ids))
+        return rows
+
+    def _fetch_selected(self, plans, shape: StepShape, selected):
+        """Per shard, (selections [L, R, W] of its recorded rows, {flat row: column}), or
+        None when no request of the step is recorded. Only those rows leave the
+        devices (gathered there first): the whole [D, L, T, W] array is ~34 MB per
+        device for a 2,064-token step and W = 2,051, most of it not recorded."""
+        rows = [self._recorded_rows(p, shape) for p in plans]
+        if not any(rows):
+            return None
+        width = bucket(max(len(r) for r in rows), 8)            # few shapes: few compilations
+        idx = np.zeros((self.num_shards, width), np.int32)
+        for d, r in enumerate(rows):
+            idx[d, :len(r)] = r
+        got = np.asarray(_take_rows(selected, sharding.put_per_shard(idx, self.mesh), mesh=self.mesh))
+        return [(got[d], {row: c for c, row in enumerate(r)}) for d, r in enumerate(rows)]
+
     def _commit(self, shard: int, plan: _ShardPlan, shape: StepShape, next_tok, sel) -> list:
-        """Apply one shard's results (next_tok [T], sel [L, T, W] or None); returns finished ids."""
+        """Apply one shard's results (next_tok [T]; sel: (selections [L, R, W] of the
+        recorded rows, {flat row: column}) or None); returns finished ids."""
         pool, count = self.block_pools[shard], self._counters[shard]
         finished = []
         nd, np_ = shape.decode_width_tokens, shape.prefill_width_tokens
@@ -513,9 +578,10 @@ class Engine:
     def _record(self, req, start_pos, flat0, n, next_tok, sel):
         if sel is None or not _wants(self.record, req.request_id):
             return
+        rows, col = sel
         for j in range(n):
             req.predicted[start_pos + j] = int(next_tok[flat0 + j])
-            req.selected[start_pos + j] = sel[:, flat0 + j].copy()
+            req.selected[start_pos + j] = rows[:, col[flat0 + j]].copy()
 
     def run(self, max_steps: int = 100_000, on_step=None) -> dict:
         """Step until every request finished (or max_steps); returns ``outputs``."""
@@ -623,6 +689,7 @@ class Engine:
                     prefill_tokens=self.prefill_tokens, decode_tokens=self.decode_tokens,
                     generated_tokens=self.generated_tokens, step_seconds=self.step_seconds,
                     compile_step_seconds=self.compile_step_seconds,
+                    phase_seconds=dict(self.phase_seconds),
                     tokens_per_s=self._tokens_per_s(self.prefill_tokens + self.decode_tokens),
                     proposed_drafts=sum(r.proposed_drafts for r in reqs),
                     accepted_drafts=sum(r.accepted_drafts for r in reqs),

@@ -393,8 +393,15 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
     if progress:
         print(f"simulate: {num_blocks} blocks per device planned, {eng.num_shards} device(s); the first step "
               f"compiles the whole model (tens of seconds on CPU) ...", file=sys.stderr, flush=True)
+    probe_s = [0.0]
+
+    def timed_on_step(e):
+        t = time.perf_counter()
+        on_step(e)
+        probe_s[0] += time.perf_counter() - t
+
     t0 = time.perf_counter()
-    hits = _drive(eng, w, prompts, fillers, news, on_step)
+    hits = _drive(eng, w, prompts, fillers, news, timed_on_step)
     wall = time.perf_counter() - t0
     bar.close()
     rounds = []
@@ -433,7 +440,8 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
         shapes=st["shapes"], evictions=st["evictions"], prefix_hit_tokens=st["hit_tokens"],
         processed_tokens=processed, generated_tokens=st["generated_tokens"], wall_s=wall,
         compile_step_s=st["compile_step_seconds"], tokens_per_s=processed / run_s,
-        generated_tokens_per_s=st["generated_tokens"] / run_s, shards=shards)
+        generated_tokens_per_s=st["generated_tokens"] / run_s, shards=shards,
+        phase_seconds=dict(st["phase_seconds"], probe=probe_s[0]))
     report["rehits_equal_control"] = all(s["rehits_equal_control"] for s in shards)
     report["rehit_pools_equal_control"] = all(s["rehit_pools_equal_control"] for s in shards)
     report["prompt_stayed_cached"] = all(s["prompt_stayed_cached"] for s in shards)

@@ -133,6 +133,18 @@ def kth_key(key, live, k: int):
     return lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.zeros((bn,), jnp.uint32))
 
 
+def keep_top_k(key, live, k: int):
+    """(keep [BN, C] bool, thr [BN] u32): the k best `live` entries of key [BN, C] u32,
+    ties at the k-th key thr broken by lowest column (columns in id order)."""
+    thr = kth_key(key, live, k)                                                      # [BN]
+    gt = live & (key > thr[:, None])
+    eq = live & (key == thr[:, None])
+    n_gt = jnp.sum(gt.astype(jnp.int32), axis=1)
+    ei = eq.astype(jnp.int32)
+    keep = gt | (eq & ((jnp.cumsum(ei, axis=1) - ei) < (k - n_gt)[:, None]))
+    return keep, thr
+
+
 def append(g: Geometry, kbuf, ibuf, brow, st, key, ids, valid):
     """Append the chunk's passing candidates (key [BN, CH] u32, ids [BN, CH] i32)."""
     cnt, thr, full = st
@@ -158,12 +170,7 @@ def compact(g: Geometry, kbuf, ibuf, brow, st, interpret: bool):
     live = cols < cnt[:, None]
     key = B.gather(kbuf, rows, cols, mask=live, other=0)                             # [BN, CAP]
     ids = B.gather(ibuf, rows, cols, mask=live, other=0)
-    thr = kth_key(key, live, g.k)                                                    # [BN]
-    gt = live & (key > thr[:, None])
-    eq = live & (key == thr[:, None])
-    n_gt = jnp.sum(gt.astype(jnp.int32), axis=1)
-    ei = eq.astype(jnp.int32)
-    keep = gt | (eq & ((jnp.cumsum(ei, axis=1) - ei) < (g.k - n_gt)[:, None]))
+    keep, thr = keep_top_k(key, live, g.k)                                           # [BN, CAP], [BN]
     ki = keep.astype(jnp.int32)
     pos = jnp.cumsum(ki, axis=1) - ki
     B.barrier(interpret)                                   # every read above is done
@@ -334,14 +341,34 @@ def bucket_floor(scores, lengths, k: int, buckets: int):
     floor only ever admits more keys than the top k.
     """
     rows, n = scores.shape
-    if buckets < k or n < 2 * buckets:
+    if not has_floor(n, k, buckets):
         return jnp.zeros((rows,), jnp.uint32)
+    top = run_maxima(scores, lengths, buckets)                                     # [rows, M]
+    return lax.sort(top, dimension=1)[:, buckets - k]
+
+
+def has_floor(n_cols: int, k: int, buckets: int) -> bool:
+    """Whether ``bucket_floor`` computes a floor for [rows, n_cols] scores (else 0)."""
+    return buckets >= k and n_cols >= 2 * buckets
+
+
+def run_maxima(scores, lengths, buckets: int):
+    """[rows, buckets] u32: the largest valid key of each of the row's `buckets` equal
+    runs of ceil(n / buckets) columns (0 for a run with no valid key). XLA."""
+    rows, n = scores.shape
     run = -(-n // buckets)
     valid = jnp.arange(n, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
     key = jnp.where(valid, order_key(scores), jnp.uint32(0))                       # [rows, n]
     key = jnp.pad(key, ((0, 0), (0, run * buckets - n)))
-    top = jnp.max(key.reshape(rows, buckets, run), axis=2)                         # [rows, M]
-    return lax.sort(top, dimension=1)[:, buckets - k]
+    return jnp.max(key.reshape(rows, buckets, run), axis=2)                        # [rows, M]
+
+
+MODES = ("stream", "filter")
+FILTER_SPAN = 4096             # scores per filter program (filter mode)
+FILTER_CHUNK = 4096            # scores per vector load of a filter program
+FILTER_CAP = 128               # candidate slots per (row, split) list
+ROW_WARPS = 8                  # warps of the one-program-per-row floor and select kernels
+MAX_SELECT_SLOTS = 8192        # the select kernel's per-row tile (splits * CAP) at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,33 +377,52 @@ class Tuning:
 
     score_chunk: scores per streaming step; target_programs: how many programs the
     row splits aim for; buckets_per_k: runs of the pre-filter per selected id
-    (0 = no pre-filter)."""
+    (0 = no pre-filter); num_warps: warps of the streaming kernel (and of the filter
+    kernel in filter mode).
+
+    mode: "stream" (the streaming filter + merge) or "filter" (Pallas floor, one
+    filter pass into fixed-size candidate lists, one select program per row; the
+    stream path runs instead when a list overflows). filter_span: scores per filter
+    program (grows for very long rows, so that splits * filter_cap stays within
+    MAX_SELECT_SLOTS); filter_chunk: scores per vector load inside it;
+    filter_cap: slots of a (row, split) candidate list; row_warps: warps of the
+    floor and select kernels (one program per row)."""
     score_chunk: int = SCORE_CHUNK
     target_programs: int = TARGET_PROGRAMS
     buckets_per_k: int = 4
     num_warps: int = 4
+    mode: str = "stream"
+    filter_span: int = FILTER_SPAN
+    filter_chunk: int = FILTER_CHUNK
+    filter_cap: int = FILTER_CAP
+    row_warps: int = ROW_WARPS
 
     def __post_init__(self):
-        if self.score_chunk & (self.score_chunk - 1) or self.score_chunk < 16 or self.buckets_per_k < 0:
+        def pow2(v, lo):
+            return v >= lo and not v & (v - 1)
+        if (not pow2(self.score_chunk, 16) or self.buckets_per_k < 0 or self.mode not in MODES
+                or not pow2(self.filter_span, 16) or not pow2(self.filter_chunk, 16)
+                or not pow2(self.filter_cap, 16) or self.num_warps < 1 or self.row_warps < 1):
             raise ValueError(f"bad topk tuning {self}")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "splits", "interpret", "tune"))
-def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tuning = Tuning()):
-    """scores: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid).
-    Returns [rows, k] i32: best ids by (score desc, id asc), -1 padded."""
+def filter_shape(n_cols: int, tune: Tuning):
+    """(span, chunk, splits): scores per filter program, per load, programs per row."""
+    span = min(tune.filter_span, next_pow2(n_cols))
+    max_lists = max(1, MAX_SELECT_SLOTS // tune.filter_cap)
+    span = max(span, next_pow2(-(-n_cols // max_lists)))              # splits * CAP <= max slots
+    chunk = min(tune.filter_chunk, span)
+    return span, chunk, -(-n_cols // span)
+
+
+def _stream_path(scores, lengths, floor, k: int, splits, interpret, tune: Tuning):
+    """The streaming filter (+ merge when a row is split) with the given key floor."""
     rows, n_cols = scores.shape
-    if rows == 0:
-        return jnp.zeros((0, k), jnp.int32)
-    if n_cols == 0:
-        return jnp.full((rows, k), -1, jnp.int32)
-    scores, lengths = scores.astype(jnp.float32), lengths.astype(jnp.int32)
     g = Geometry(k=k, bn=1, ch=min(tune.score_chunk, next_pow2(n_cols)))
     sp = choose_splits(rows, n_cols, k, splits, tune.target_programs)
     split_cols = -(-(-(-n_cols // sp)) // g.ch) * g.ch               # per split, whole chunks
     sp = -(-n_cols // split_cols)
     final = sp == 1
-    floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
     res, kbuf, ibuf = _call(g, (lengths, floor, scores),
                             source="scores", b=1, n=rows, splits=sp, final=final,
                             interpret=interpret, name="kpool_topk", n_cols=n_cols,
@@ -384,3 +430,56 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
     if final:
         return res
     return merge_candidates(res, kbuf, ibuf, k, b=1, n=rows, bn=1, in_splits=sp, interpret=interpret)
+
+
+def _filter_lists(scores, lengths, k: int, interpret, tune: Tuning):
+    """Filter mode, first two kernels: (floor [rows] u32, count [rows, splits] i32,
+    keys [rows, splits * CAP] u32, ids [rows, splits * CAP] i32, overflow () bool)."""
+    from . import topk_filter, topk_floor
+    floor = topk_floor.key_floor(scores, lengths, k, tune.buckets_per_k * k,
+                                 interpret=interpret, num_warps=tune.row_warps)
+    span, chunk, _ = filter_shape(scores.shape[1], tune)
+    cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, span=span, chunk=chunk,
+                                                   cap=tune.filter_cap, interpret=interpret,
+                                                   num_warps=tune.num_warps)
+    return floor, cnt, keys, ids, jnp.any(cnt > tune.filter_cap)
+
+
+def _check_args(scores, lengths):
+    return scores.astype(jnp.float32), lengths.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "tune"))
+def filter_overflowed(scores, lengths, k: int, *, interpret=None, tune: Tuning = Tuning(mode="filter")):
+    """() bool: whether filter mode would fall back to the stream path for these inputs
+    (some row's candidates >= floor overflow a (row, split) list)."""
+    scores, lengths = _check_args(scores, lengths)
+    return _filter_lists(scores, lengths, k, interpret, tune)[4]
+
+
+@functools.partial(jax.jit, static_argnames=("k", "splits", "interpret", "tune"))
+def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tuning = Tuning()):
+    """scores: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid).
+    Returns [rows, k] i32: best ids by (score desc, id asc), -1 padded.
+
+    `splits` (programs per row of the streaming kernel) applies to the stream path,
+    in filter mode to its fallback only."""
+    rows, n_cols = scores.shape
+    if rows == 0:
+        return jnp.zeros((0, k), jnp.int32)
+    if n_cols == 0:
+        return jnp.full((rows, k), -1, jnp.int32)
+    scores, lengths = _check_args(scores, lengths)
+    if tune.mode == "filter":
+        from . import topk_select
+        floor, cnt, keys, ids, overflow = _filter_lists(scores, lengths, k, interpret, tune)
+        # Exact either way: without overflow every valid key >= floor is in a list (and
+        # at least k valid keys are >= floor, or the floor is 0 and the lists hold every
+        # valid key); with overflow, the stream path (same floor) selects instead.
+        return lax.cond(
+            overflow,
+            lambda: _stream_path(scores, lengths, floor, k, splits, interpret, tune),
+            lambda: topk_select.select_candidates(cnt, keys, ids, k, interpret=interpret,
+                                                  num_warps=tune.row_warps))
+    floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
+    return _stream_path(scores, lengths, floor, k, splits, interpret, tune)

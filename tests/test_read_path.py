@@ -265,6 +265,101 @@ def test_topk_pools_tunings_are_exact(rng, tune):
     np.testing.assert_array_equal(got, np_topk(x, lengths, k))
 
 
+# filter mode at test sizes: [6, 2048] scores, k = 24 (96 runs of 22 for the floor);
+# "one-load": 8 programs per row, one 256-score load each, 64-slot lists;
+# "loop": 4 programs per row, four 128-score loads each, 128-slot lists
+FILTER_TUNINGS = {"one-load": dict(mode="filter", filter_span=256, filter_chunk=256, filter_cap=64),
+                  "loop": dict(mode="filter", filter_span=512, filter_chunk=128, filter_cap=128)}
+FILTER_ROWS, FILTER_N, FILTER_K = 6, 2048, 24
+
+
+def filter_case(rng, case):
+    """(scores [6, 2048] f32, lengths [6] i32, whether filter mode must fall back)."""
+    rows, n = FILTER_ROWS, FILTER_N
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    lengths = np.array([n, n - 333, 0, 20, FILTER_K, n + 50], np.int32)     # < k, == k, > n
+    fallback = False
+    if case == "ties-select":            # the k-th key tied; few keys reach the floor
+        x = rng.integers(0, 200, size=(rows, n)).astype(np.float32)
+    elif case == "ties-fallback":        # a third of each row at the top value: lists overflow
+        x = rng.integers(-1, 2, size=(rows, n)).astype(np.float32)
+        fallback = True
+    elif case == "nan-zero":
+        x[0] = -np.abs(x[0])
+        x[0, rng.choice(n, 10, replace=False)] = np.where(rng.random(10) < 0.5, -0.0, 0.0)  # top: +-0 ties
+        x[1, rng.random(n) < 0.2] = np.nan
+        x[2] = np.where(rng.random(n) < 0.5, -0.0, 0.0)
+        x[2, rng.random(n) < 0.3] = np.nan                                  # +-0 ties, NaN last
+        lengths[2] = 40
+        x[3, 2:7] = np.nan                                                  # 20 valid, 5 NaN: NaN ids last
+        x[4, [3, 9]] = [np.inf, -np.inf]
+        x[5, 100] = np.nan
+    elif case == "overflow":             # one split holds far more than CAP keys >= floor
+        x[2, : n // 2] = 7.0
+        lengths[2] = n
+        x[4] = 1.5                                                          # all equal
+        fallback = True
+    return x, lengths, fallback
+
+
+@pytest.mark.parametrize("tune", list(FILTER_TUNINGS))
+@pytest.mark.parametrize("case", ["random", "ties-select", "ties-fallback", "nan-zero", "overflow"])
+def test_topk_pools_filter_mode_is_exact(rng, case, tune):
+    """Filter mode == the oracle; it falls back to the stream path exactly when a
+    candidate list overflows (and only then: plain data takes the select kernel)."""
+    from pallas_kernels import topk as tk
+    t = tk.Tuning(**FILTER_TUNINGS[tune])
+    x, lengths, fallback = filter_case(rng, case)
+    xs, ls = jnp.asarray(x), jnp.asarray(lengths)
+    assert bool(tk.filter_overflowed(xs, ls, FILTER_K, tune=t)) == fallback
+    got = np.asarray(tk.topk_pools(xs, ls, FILTER_K, tune=t))
+    np.testing.assert_array_equal(got, np_topk(x, lengths, FILTER_K))
+
+
+@pytest.mark.parametrize("k, n", [(24, 2000), (16, 1024), (16, 100)], ids=["M=96", "M=64", "no-floor"])
+@pytest.mark.parametrize("data", ["random", "ties"])
+def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
+    """The Pallas floor (radix k-th of the run maxima) == the XLA sort floor, bit for bit."""
+    from pallas_kernels import topk as tk
+    from pallas_kernels import topk_floor
+    rows, buckets = 5, 4 * k
+    x = (rng.standard_normal((rows, n)) if data == "random"
+         else rng.integers(-3, 4, size=(rows, n))).astype(np.float32)
+    x[1, rng.random(n) < 0.1] = np.nan
+    lengths = np.array([n, n // 2, 0, 5, n + 7], np.int32)
+    xs, ls = jnp.asarray(x), jnp.asarray(lengths)
+    want = np.asarray(tk.bucket_floor(xs, ls, k, buckets))
+    got = np.asarray(topk_floor.key_floor(xs, ls, k, buckets))
+    np.testing.assert_array_equal(got, want)
+    assert (want[[0, 1]] > 0).all() == (n >= 2 * buckets) and (want[[2, 3]] == 0).all()
+
+
+def test_topk_filter_keeps_keys_at_the_floor(rng):
+    """The k-th key sits exactly at the floor, its ties spread over several lists: a
+    filter that dropped a key == floor, or any list entry, changes the result."""
+    from pallas_kernels import topk as tk
+    rows, n, k = 4, FILTER_N, FILTER_K
+    run = -(-n // (4 * k))                                                  # 96 runs of 22
+    x = rng.uniform(-2, -1, size=(rows, n)).astype(np.float32)              # every run max < 0
+    for r in range(rows):
+        runs = rng.permutation(n // run)
+        n_above = [k - 1, k - 1, 0, 5][r]                                   # keys above the floor
+        for q in runs[:n_above]:
+            x[r, q * run + rng.integers(run)] = 1.0 + rng.random()
+        for q in runs[n_above:n_above + k + 6 - n_above]:                   # runs whose max == floor
+            x[r, q * run + rng.choice(run, 1 + r % 2 + (q % 3 == 0), replace=False)] = 0.5
+    lengths = np.full((rows,), n, np.int32)
+    xs, ls = jnp.asarray(x), jnp.asarray(lengths)
+    floor = np.asarray(tk.bucket_floor(xs, ls, k, 4 * k))
+    assert (floor == np.asarray(ref.order_key(jnp.float32(0.5)))).all()
+    want = np_topk(x, lengths, k)
+    assert (x[np.arange(rows), want[:, -1]] == 0.5).all()                   # k-th key == floor
+    for name, kw in FILTER_TUNINGS.items():
+        t = tk.Tuning(**kw)
+        assert not bool(tk.filter_overflowed(xs, ls, k, tune=t)), name
+        np.testing.assert_array_equal(np.asarray(tk.topk_pools(xs, ls, k, tune=t)), want, err_msg=name)
+
+
 def test_topk_pools_more_k_than_pools(rng):
     x = rng.standard_normal((3, 7)).astype(np.float32)
     lengths = np.array([7, 3, 100], np.int32)

@@ -1,0 +1,60 @@
+"""Kernel: the key floor of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
+
+Same value as ``topk.bucket_floor``, bit for bit: per row, the k-th largest of
+the row's M run maxima (``topk.run_maxima``, an XLA reduce of the scores), so at
+least k valid keys of the row are >= it (k different runs each hold one); 0 when
+fewer than k runs hold a valid key, or when the row is too short for a floor
+(``topk.has_floor``). ``bucket_floor`` finds it with an XLA sort of [rows, M];
+this kernel finds it with the exact radix search ``topk.kth_key`` on one
+[1, MP] tile per row (MP = M rounded up to a power of two, the padding lanes
+dead), which is the k-th largest of the M entries, i.e. sort(top)[M - k].
+
+Reads ONLY its input (the run maxima); writes ONLY its output (the floors).
+Grid: (rows,), one program per row.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _backend as B
+from . import topk as tk
+
+
+def _kernel(top_ref, floor_ref, *, k: int, m: int, mp: int):
+    # top_ref [rows, M] u32 run maxima; floor_ref [rows] u32
+    r = B.program_id(0)
+    row = r + 0 * tk._iota((1,), 0)                                                 # [1]
+    cols = tk._iota((1, mp), 1)                                                     # [1, MP]
+    rows = row[:, None] + 0 * cols
+    if mp == m:
+        live = cols >= 0
+        top = B.gather(top_ref, rows, cols)                                         # [1, MP]
+    else:
+        live = cols < m
+        top = B.gather(top_ref, rows, jnp.minimum(cols, m - 1), mask=live, other=0)
+    B.store(floor_ref.at[row], tk.kth_key(top, live, k))                           # [1]
+
+
+def key_floor(scores, lengths, k: int, buckets: int, *, interpret=None, num_warps: int = tk.ROW_WARPS):
+    """scores [rows, n] f32, lengths [rows] i32 -> [rows] u32, == ``topk.bucket_floor``."""
+    rows, n_cols = scores.shape
+    if not tk.has_floor(n_cols, k, buckets):
+        return jnp.zeros((rows,), jnp.uint32)
+    top = tk.run_maxima(scores, lengths, buckets)                                   # [rows, M] (XLA)
+    return floor_of_maxima(top, k, interpret=interpret, num_warps=num_warps)
+
+
+def floor_of_maxima(top, k: int, *, interpret=None, num_warps: int = tk.ROW_WARPS):
+    """top [rows, M] u32 (M >= k) -> [rows] u32: the k-th largest entry of each row."""
+    rows, m = top.shape
+    if m < k:
+        raise ValueError(f"floor needs at least k = {k} run maxima per row, got {m}")
+    interpret = B.resolve_interpret(interpret)
+    kern = functools.partial(_kernel, k=k, m=m, mp=tk.next_pow2(m))
+    return B.pallas_call(
+        kern, grid=(rows,), out_shape=jax.ShapeDtypeStruct((rows,), jnp.uint32),
+        input_output_aliases={}, interpret=interpret, name="kpool_topk_floor", num_warps=num_warps,
+    )(top.astype(jnp.uint32))
