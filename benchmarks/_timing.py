@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 
-LONG = 4                   # the long chain has LONG x reps calls
+SHORT_FRACTION = 5         # the short chain has reps // SHORT_FRACTION calls (at least 1)
 
 
 def _chain(step, reps):
@@ -42,23 +42,33 @@ def _median_seconds(chain, state, args, trials):
     return float(np.median(times)), state
 
 
+def short_reps(reps: int) -> int:
+    """Length of time_chain's short chain for a long chain of `reps` calls."""
+    return max(1, reps // SHORT_FRACTION)
+
+
 def time_chain(step, state, *args, reps=20, trials=5):
     """Device seconds per call of `state = step(state, *args)`: the cost of ONE MORE call
     in a chain of calls inside one jit, the state threaded through and donated.
 
-    Two chains are timed, of reps and LONG * reps calls (median of `trials` runs
-    each); the result is the difference of the two times over the difference of
-    their lengths. That cancels what a jit call costs once, whatever its length
-    (Python dispatch, argument handling, the final synchronisation: ~40-60 us on
-    the H200, which a 20-call chain spread as 2-3 us over every call: more than
-    an empty kernel launch). If noise makes the long chain no slower than the short
-    one (CPU smoke runs), the long chain's time per call is returned instead (an
-    upper bound). Returns (seconds per call, the final state).
+    Two chains are timed, of reps and reps // SHORT_FRACTION calls (median of
+    `trials` runs each); the result is the difference of the two times over the
+    difference of their lengths. That cancels what a jit call costs once, whatever
+    its length (Python dispatch, argument handling, the final synchronisation:
+    ~40-60 us on the H200, which a 20-call chain spread as 2-3 us over every call:
+    more than an empty kernel launch). The chains are unrolled, and XLA compiles
+    every Pallas call of them separately (~1 s each), so the two chains together
+    hold only ~1.2 x reps calls. If noise makes the long chain no slower than the
+    short one (CPU smoke runs), the long chain's time per call is returned instead
+    (an upper bound). Returns (seconds per call, the final state).
     """
-    short, state = _median_seconds(_chain(step, reps), state, args, trials)
-    long_, state = _median_seconds(_chain(step, LONG * reps), state, args, trials)
-    t = (long_ - short) / ((LONG - 1) * reps)
-    return (t if t > 0 else long_ / (LONG * reps)), state
+    lo = short_reps(reps)
+    if reps <= lo:
+        raise ValueError(f"time_chain needs reps > {lo}, got {reps}")
+    short, state = _median_seconds(_chain(step, lo), state, args, trials)
+    long_, state = _median_seconds(_chain(step, reps), state, args, trials)
+    t = (long_ - short) / (reps - lo)
+    return (t if t > 0 else long_ / reps), state
 
 
 def chain_cache_copies(step, state, *args, reps=3):
@@ -107,5 +117,5 @@ def empty_launch_seconds():
     def step(s):
         return B.pallas_call(_empty_kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),
                              input_output_aliases={0: 0}, interpret=None, name="empty", num_warps=1)(s)
-    t, _ = time_chain(step, x, reps=50)
+    t, _ = time_chain(step, x, reps=20)
     return t

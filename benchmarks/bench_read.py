@@ -180,28 +180,28 @@ LOGITS_SWEEP = [(1, 8, 4), (2, 4, 4), (4, 2, 4), (8, 1, 4), (4, 2, 8), (8, 1, 8)
 TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528, 4, 4)]
 # filter mode (topk.Tuning keyword arguments): Pallas floor, one filter pass into
 # per-(row, split) lists of filter_cap slots, one select program per row
+# The first GPU sweep (docs/results/2026-11-30_s3_run3_bench_read.txt): span 4096 /
+# cap 64 132 us, span 2048 / cap 64 137 us, cap 128 148-158 us, warps made no gain.
 TOPK_FILTER_SWEEP = [
-    dict(mode="filter"),                                                  # span 4096, cap 128, 4/8 warps
-    dict(mode="filter", filter_span=2048, filter_cap=64),
-    dict(mode="filter", filter_span=8192, filter_cap=128),
-    dict(mode="filter", filter_span=8192, filter_chunk=2048, filter_cap=128),
-    dict(mode="filter", filter_cap=64),
-    dict(mode="filter", num_warps=8),
-    dict(mode="filter", row_warps=4),
-    dict(mode="filter", row_warps=16),
+    dict(),                                                               # the default: span 2048, auto cap
+    dict(filter_span=4096, filter_cap=64),
+    dict(filter_span=4096, filter_cap=32),
+    dict(filter_span=2048, filter_cap=32),
+    dict(filter_span=1024, filter_cap=32),
+    dict(filter_span=8192, filter_cap=64),
 ]
-TOPK_FILTER_QUICK = [dict(mode="filter"), dict(mode="filter", filter_span=512, filter_cap=64)]
+TOPK_FILTER_QUICK = [dict(), dict(filter_span=512, filter_cap=64)]
 
 
 def topk_tuning(v):
     """A TOPK_SWEEP tuple (positional Tuning fields) or a dict of Tuning keywords."""
     from pallas_kernels import topk as tk
-    return tk.Tuning(**v) if isinstance(v, dict) else tk.Tuning(*v)
+    return tk.Tuning(**v) if isinstance(v, dict) else tk.Tuning(*v, mode="stream")
 
 
 def topk_label(t) -> str:
     if t.mode == "filter":
-        return (f"filter span={t.filter_span} ld={t.filter_chunk} cap={t.filter_cap} "
+        return (f"filter span={t.filter_span} ld={t.filter_chunk} cap={t.filter_cap or 'auto'} "
                 f"warps={t.num_warps}/{t.row_warps}")
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 

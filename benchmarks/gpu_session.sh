@@ -6,9 +6,10 @@
 #      pytest-xdist; the scale-out tests on both GPUs; the write benchmark
 #      (Pallas vs Triton vs XLA) on GPU 1;
 #   2. alone: the 1-GPU vs 2-GPU serving throughput (bench_scaleout.py);
-#   3. in parallel: the read-path launch-shape sweep on GPU 0; the notebooks'
-#      code cells on GPU 1 (tests/scripts/run_notebook_cells.py: the machine has
-#      no Jupyter kernel for tests/test_notebooks.py).
+#   3. in parallel: the read-path launch-shape sweep on GPU 0; on GPU 1 the
+#      command in $P3_GPU1, by default the notebooks' code cells
+#      (tests/scripts/run_notebook_cells.py: the machine has no Jupyter kernel for
+#      tests/test_notebooks.py).
 # Logs under $OUT; the last line says GPU SESSION: passed / failed (tests only:
 # benchmarks that time out are reported, not failed).
 #   device tool: bash benchmarks/gpu_session.sh   (carry .vectors and .whl)
@@ -26,7 +27,7 @@ python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" | 
 KERNEL_TESTS=${KERNEL_TESTS:-"tests --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py"}
 
 # phase 1
-( CUDA_VISIBLE_DEVICES=0 timeout "${P1_S:-270}" python3 -m pytest -q -p no:cacheprovider -n "${XDIST:-8}" -rfE \
+( CUDA_VISIBLE_DEVICES=0 timeout "${P1_S:-270}" python3 -m pytest -q -p no:cacheprovider -n "${XDIST:-8}" -rfE --durations=15 \
     $KERNEL_TESTS > "$OUT/pytest_kernels.log" 2>&1; echo "rc=$?" > "$OUT/rc_kernels" ) &
 ( timeout "${P1_S:-270}" python3 -m pytest -q -p no:cacheprovider -rfE -k "not 4" tests/test_sharding.py \
     > "$OUT/pytest_sharding.log" 2>&1; echo "rc=$?" > "$OUT/rc_sharding" ) &
@@ -40,10 +41,10 @@ echo "bench_scaleout rc=$?" >> "$OUT/bench_scaleout.txt"
 # phase 3
 ( CUDA_VISIBLE_DEVICES=0 timeout "${P3_S:-100}" python3 benchmarks/bench_read.py --skip-prefill --batches 64 \
     --contexts 131072 --sweep --json "$OUT/bench_read.json" > "$OUT/bench_read.txt" 2>&1 ) &
-( CUDA_VISIBLE_DEVICES=1 timeout "${P3_S:-100}" python3 tests/scripts/run_notebook_cells.py \
-    > "$OUT/notebooks.txt" 2>&1; echo "rc=$?" >> "$OUT/notebooks.txt" ) &
+( CUDA_VISIBLE_DEVICES=1 timeout "${P3_S:-100}" ${P3_GPU1:-python3 tests/scripts/run_notebook_cells.py} \
+    > "$OUT/gpu1_phase3.txt" 2>&1; echo "rc=$?" >> "$OUT/gpu1_phase3.txt" ) &
 wait
 
 for f in pytest_kernels pytest_sharding; do echo "== $f: $(cat "$OUT/rc_${f#pytest_}")"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$f.log" | tail -12; done
-for f in bench_writes bench_scaleout bench_read notebooks; do echo "== $f"; tail -30 "$OUT/$f.txt"; done
+for f in bench_writes bench_scaleout bench_read gpu1_phase3; do echo "== $f"; tail -30 "$OUT/$f.txt"; done
 grep -q "rc=0" "$OUT/rc_kernels" && grep -q "rc=0" "$OUT/rc_sharding" && echo "GPU SESSION: passed" || echo "GPU SESSION: failed"

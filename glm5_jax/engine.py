@@ -73,6 +73,7 @@ from .model import Decoder
 from .step_metadata import BucketMins, RowSpec, StepShape, bucket, build_step, choose_shape
 
 _TRACE_COUNT = [0]
+_GATHER_TRACES = [0]                         # traces of the recorded-row gather (_take_rows)
 
 
 def _step_impl(state, cache, batch, *, graphdef, layout, implementation, fault, mesh):
@@ -93,6 +94,7 @@ _step = jax.jit(_step_impl, static_argnames=("graphdef", "layout", "implementati
 
 def _take_rows_impl(selected, rows, *, mesh):
     """selected [D, L, T, W], rows [D, R] i32 -> [D, L, R, W]: on each device, its own rows."""
+    _GATHER_TRACES[0] += 1                    # a step that compiles this is not timed as serving
     return sharding.per_shard(lambda sel, r: sel[:, r, :], mesh)(selected, rows)
 
 
@@ -483,19 +485,20 @@ class Engine:
         else:
             batch = self._batch(shape, plans)
             mark("batch")
-            before = _TRACE_COUNT[0]
+            before, gathers_before = _TRACE_COUNT[0], _GATHER_TRACES[0]
             self.cache, next_tok, selected = _step(self._state, self.cache, batch, graphdef=self._graphdef,
                                                    layout=self.layout, implementation=self.implementation,
                                                    fault=self.fault, mesh=self.mesh)
             mark("dispatch")
+            next_tok.copy_to_host_async()
             next_tok = np.asarray(next_tok)                                  # [D, T]
             mark("device_wait")
-            traced = _TRACE_COUNT[0] - before
-            self.compilations += traced
-            if traced:
-                self.compile_step_seconds += time.perf_counter() - t0
             sel = self._fetch_selected(plans, shape, selected)
             mark("fetch_selected")
+            traced = _TRACE_COUNT[0] - before
+            self.compilations += traced
+            if traced or _GATHER_TRACES[0] != gathers_before:
+                self.compile_step_seconds += time.perf_counter() - t0
         self.step_seconds += time.perf_counter() - t0
         self.shapes_seen.add(shape)
         self.steps += 1
@@ -503,7 +506,7 @@ class Engine:
         for s, plan in enumerate(plans):
             finished += self._commit(s, plan, shape, next_tok[s], None if sel is None else sel[s])
         mark("commit")
-        if not traced:
+        if not traced and (self.dry_run or _GATHER_TRACES[0] == gathers_before):
             for phase, sec in marks.items():
                 self.phase_seconds[phase] += sec
         return finished
@@ -533,7 +536,9 @@ class Engine:
         idx = np.zeros((self.num_shards, width), np.int32)
         for d, r in enumerate(rows):
             idx[d, :len(r)] = r
-        got = np.asarray(_take_rows(selected, sharding.put_per_shard(idx, self.mesh), mesh=self.mesh))
+        got = _take_rows(selected, sharding.put_per_shard(idx, self.mesh), mesh=self.mesh)
+        got.copy_to_host_async()                     # every shard's copy starts now, side by side
+        got = np.asarray(got)
         return [(got[d], {row: c for c, row in enumerate(r)}) for d, r in enumerate(rows)]
 
     def _commit(self, shard: int, plan: _ShardPlan, shape: StepShape, next_tok, sel) -> list:
@@ -578,10 +583,10 @@ class Engine:
     def _record(self, req, start_pos, flat0, n, next_tok, sel):
         if sel is None or not _wants(self.record, req.request_id):
             return
-        rows, col = sel
+        rows, col = sel                 # rows holds recorded rows only: keep views, no copies
         for j in range(n):
             req.predicted[start_pos + j] = int(next_tok[flat0 + j])
-            req.selected[start_pos + j] = rows[:, col[flat0 + j]].copy()
+            req.selected[start_pos + j] = rows[:, col[flat0 + j]]
 
     def run(self, max_steps: int = 100_000, on_step=None) -> dict:
         """Step until every request finished (or max_steps); returns ``outputs``."""

@@ -316,13 +316,24 @@ class _WatchedBytes:
         self.rows, self.cols = jax.device_put((rows.astype(np.int32), cols.astype(np.int32)), device)
         self._gather = jax.jit(lambda c, r, k: c.reshape(-1, VIEW_COLS)[r, k])
 
+    def start(self, eng):
+        """Gather the watched bytes now, on the device; `finish` brings them to the host.
+        Starting every probe's read before finishing any lets the shards' gathers and
+        copies run side by side."""
+        from . import sharding
+        self._pending = self._gather(sharding.device_shard(eng.cache, self.shard), self.rows, self.cols)
+        self._pending.copy_to_host_async()
+
+    def finish(self):
+        """The watched bytes of the last `start`: uint8[sum of range lengths]."""
+        import numpy as np
+        out, self._pending = np.asarray(self._pending).view(np.uint8), None
+        return out
+
     def read(self, eng):
         """The watched bytes now: uint8[sum of range lengths]."""
-        import numpy as np
-
-        from . import sharding
-        return np.asarray(self._gather(sharding.device_shard(eng.cache, self.shard), self.rows,
-                                       self.cols)).view(np.uint8)
+        self.start(eng)
+        return self.finish()
 
 
 def _shard_summary(d, probes, rounds, st_shard, run_s) -> dict:
@@ -371,6 +382,9 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
                    first_change_step=None, changed_pages=0) for s in range(len(prompts))]
 
     def on_step(e):
+        for pr in probes:                                   # every shard's read in flight at once
+            if pr["reader"] is not None:
+                pr["reader"].start(e)
         for s, pr in enumerate(probes):
             if pr["reader"] is None:
                 out = e.get_output(prompt_id(s))
@@ -382,7 +396,7 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
                     pr["reader"] = _WatchedBytes(e, out.shard, pr["watched"])
                     pr["snapshot"] = pr["reader"].read(e)
                 continue
-            diff = pr["reader"].read(e) != pr["snapshot"]
+            diff = pr["reader"].finish() != pr["snapshot"]
             changed = int(diff.sum())
             if changed and pr["first_change_step"] is None:
                 pr["first_change_step"] = e.steps

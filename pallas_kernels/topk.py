@@ -31,6 +31,15 @@ contiguous range of candidate ids, and feeds it chunk by chunk, ids ascending:
 
 Grid: scores: (1, ceil(rows / BN), splits); candidates (merge): (B, ceil(n / BN)).
 Buffer row of padded row p (of B * ceil(n / BN) * BN) in split s: p * splits + s.
+
+``topk_pools`` runs this streaming path in mode "stream" (``Tuning.mode``, the
+default). Mode "filter" runs three lean kernels instead, each in its own file:
+``topk_floor`` (the same key floor as ``bucket_floor``, by a radix k-th search
+in place of an XLA sort), ``topk_filter`` (one pass: each (row, span) program
+writes its keys >= floor into a private list of CAP slots, in id order, and its
+count, > CAP meaning overflow) and ``topk_select`` (one program per row: exact
+k-th key of its lists, survivors, ids by rank). If any list overflowed, a
+``lax.cond`` runs this streaming path (with the same floor) instead.
 """
 from __future__ import annotations
 
@@ -364,9 +373,11 @@ def run_maxima(scores, lengths, buckets: int):
 
 
 MODES = ("stream", "filter")
-FILTER_SPAN = 4096             # scores per filter program (filter mode)
+FILTER_SPAN = 2048             # scores per filter program (filter mode)
 FILTER_CHUNK = 4096            # scores per vector load of a filter program
-FILTER_CAP = 128               # candidate slots per (row, split) list
+FILTER_CAP = 0                 # candidate slots per (row, split) list; 0 = auto (filter_shape)
+FILTER_MIN_CAP = 64            # auto: at least this many slots per list
+FILTER_ROOM_PER_K = 5          # auto: room for 5 k candidates per row (the floor admits ~1.2-2.3 k)
 ROW_WARPS = 8                  # warps of the one-program-per-row floor and select kernels
 MAX_SELECT_SLOTS = 8192        # the select kernel's per-row tile (splits * CAP) at most
 
@@ -391,7 +402,7 @@ class Tuning:
     target_programs: int = TARGET_PROGRAMS
     buckets_per_k: int = 4
     num_warps: int = 4
-    mode: str = "stream"
+    mode: str = "filter"
     filter_span: int = FILTER_SPAN
     filter_chunk: int = FILTER_CHUNK
     filter_cap: int = FILTER_CAP
@@ -402,17 +413,31 @@ class Tuning:
             return v >= lo and not v & (v - 1)
         if (not pow2(self.score_chunk, 16) or self.buckets_per_k < 0 or self.mode not in MODES
                 or not pow2(self.filter_span, 16) or not pow2(self.filter_chunk, 16)
-                or not pow2(self.filter_cap, 16) or self.num_warps < 1 or self.row_warps < 1):
+                or not (self.filter_cap == 0 or pow2(self.filter_cap, 16))
+                or self.num_warps < 1 or self.row_warps < 1):
             raise ValueError(f"bad topk tuning {self}")
 
 
-def filter_shape(n_cols: int, tune: Tuning):
-    """(span, chunk, splits): scores per filter program, per load, programs per row."""
+def filter_shape(n_cols: int, k: int, tune: Tuning):
+    """(span, chunk, splits, cap): scores per filter program, per load, programs per row,
+    slots per (row, split) list.
+
+    cap = tune.filter_cap, or with filter_cap == 0 (auto) room for FILTER_ROOM_PER_K * k
+    candidates per row spread over the lists (the floor admits ~1.2-2.3 k keys of a
+    random row), or for every key when there is no floor (n < 2 * buckets): so the
+    lists overflow only on skewed rows, not because the row is short, and the select
+    tile (splits x cap) stays as small as that allows (it costs time on the GPU).
+    """
     span = min(tune.filter_span, next_pow2(n_cols))
-    max_lists = max(1, MAX_SELECT_SLOTS // tune.filter_cap)
-    span = max(span, next_pow2(-(-n_cols // max_lists)))              # splits * CAP <= max slots
-    chunk = min(tune.filter_chunk, span)
-    return span, chunk, -(-n_cols // span)
+    min_cap = tune.filter_cap or FILTER_MIN_CAP
+    span = max(span, next_pow2(-(-n_cols // max(1, MAX_SELECT_SLOTS // min_cap))))  # splits * cap bounded
+    splits = -(-n_cols // span)
+    cap = tune.filter_cap
+    if not cap:
+        room = n_cols if n_cols < 2 * tune.buckets_per_k * k else FILTER_ROOM_PER_K * k
+        cap = min(span, max(FILTER_MIN_CAP, next_pow2(-(-room // splits))),
+                  max(FILTER_MIN_CAP, MAX_SELECT_SLOTS // next_pow2(splits)))
+    return span, min(tune.filter_chunk, span), splits, cap
 
 
 def _stream_path(scores, lengths, floor, k: int, splits, interpret, tune: Tuning):
@@ -438,11 +463,10 @@ def _filter_lists(scores, lengths, k: int, interpret, tune: Tuning):
     from . import topk_filter, topk_floor
     floor = topk_floor.key_floor(scores, lengths, k, tune.buckets_per_k * k,
                                  interpret=interpret, num_warps=tune.row_warps)
-    span, chunk, _ = filter_shape(scores.shape[1], tune)
+    span, chunk, _, cap = filter_shape(scores.shape[1], k, tune)
     cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, span=span, chunk=chunk,
-                                                   cap=tune.filter_cap, interpret=interpret,
-                                                   num_warps=tune.num_warps)
-    return floor, cnt, keys, ids, jnp.any(cnt > tune.filter_cap)
+                                                   cap=cap, interpret=interpret, num_warps=tune.num_warps)
+    return floor, cnt, keys, ids, jnp.any(cnt > cap)
 
 
 def _check_args(scores, lengths):

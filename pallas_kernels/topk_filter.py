@@ -37,8 +37,9 @@ def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, *,
     r, s = B.program_id(0), B.program_id(1)
     row = r + 0 * tk._iota((1,), 0)                                                 # [1]
     split = s + 0 * row                                                             # [1]
-    hi = jnp.minimum(B.load(len_ref.at[row]), n_cols)                               # [1] valid ids < hi
-    floor = B.load(floor_ref.at[row])                                               # [1] u32
+    on = row >= 0                                                                   # [1] True
+    hi = jnp.minimum(B.load(len_ref.at[row], mask=on, other=0), n_cols)             # [1] valid ids < hi
+    floor = B.load(floor_ref.at[row], mask=on, other=0)                             # [1] u32
     hi_s = jnp.max(hi)                                                              # scalar
     lo = s * span                                                                   # first column
 
@@ -63,7 +64,7 @@ def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, *,
     count = jnp.zeros((1,), jnp.int32)
     n_loads = span // chunk
     count = body(0, count) if n_loads == 1 else lax.fori_loop(0, n_loads, body, count)
-    B.store(cnt_ref.at[row, split], count)                                          # may exceed CAP
+    B.scatter(cnt_ref, row, split, count, on)                                       # may exceed CAP
 
 
 def filter_candidates(scores, lengths, floor, *, span: int, chunk: int, cap: int, interpret=None,

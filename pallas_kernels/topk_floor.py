@@ -35,7 +35,7 @@ def _kernel(top_ref, floor_ref, *, k: int, m: int, mp: int):
     else:
         live = cols < m
         top = B.gather(top_ref, rows, jnp.minimum(cols, m - 1), mask=live, other=0)
-    B.store(floor_ref.at[row], tk.kth_key(top, live, k))                           # [1]
+    B.store(floor_ref.at[row], tk.kth_key(top, live, k), mask=row >= 0)            # [1]
 
 
 def key_floor(scores, lengths, k: int, buckets: int, *, interpret=None, num_warps: int = tk.ROW_WARPS):

@@ -46,7 +46,7 @@ def test_read_harness_keeps_calls_that_ignore_their_int_argument(monkeypatch):
 
 
 def test_write_harness_keeps_every_call(monkeypatch):
-    """Both chains of time_chain (reps and LONG * reps calls) keep every call."""
+    """Both chains of time_chain (reps // SHORT_FRACTION and reps calls) keep every call."""
     import _timing
     a = jnp.ones((128, 128))
     step = lambda s, a: jnp.sin(s @ a)
@@ -58,11 +58,11 @@ def test_write_harness_keeps_every_call(monkeypatch):
         made.append(j)
         return j
     monkeypatch.setattr(_timing.jax, "jit", spy)
-    _timing.time_chain(step, jnp.ones((128, 128)), a, reps=4, trials=1)
+    _timing.time_chain(step, jnp.ones((128, 128)), a, reps=10, trials=1)
     monkeypatch.setattr(_timing.jax, "jit", orig)
     counts = []
     for j in made:
         hlo = j.lower(jnp.ones((128, 128)), a).compile().as_text()
         counts.append(sum(1 for line in hlo.splitlines()
                           if line.strip().startswith(("%ynn_fusion", "%dot", "%fusion")) and "dot" in line))
-    assert sorted(counts) == [4, 4 * _timing.LONG], f"chains compiled to {counts} matmuls"
+    assert sorted(counts) == [10 // _timing.SHORT_FRACTION, 10], f"chains compiled to {counts} matmuls"

@@ -3,6 +3,7 @@ scales, fp8/bf16 rounding with integer ops, the context-independent exp and
 reciprocal, and the exact-product multiply-add. Compared against float64 /
 ml_dtypes / a literal numpy butterfly, bit for bit where the spec promises bits."""
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -430,3 +431,62 @@ def test_compress_pool_context_independent(rng):
         np.testing.assert_array_equal(_bits(s), _bits(s_ref), err_msg=name)
     np.testing.assert_array_equal(np.asarray(q_half).view(np.uint8), np.asarray(q_ref)[: m // 2].view(np.uint8))
     assert np.all(_is_pow2(np.asarray(s_ref)))
+
+
+# ---------------------------------------------------------------------------------
+# the Triton FMA-contraction mismatch (H200, session 3): 16 pools saved from the GPU
+# ---------------------------------------------------------------------------------
+def _saved_pools():
+    import ml_dtypes
+    path = pathlib.Path(__file__).parent / "data" / "triton_fma_pools.npz"
+    d = np.load(path)
+    n = sum(1 for f in d.files if f.startswith("golden"))
+    as_f32 = lambda a: a.view(ml_dtypes.bfloat16).astype(F32)                      # noqa: E731
+    return d, [(as_f32(d[f"k{j}"]), as_f32(d[f"g{j}"])) for j in range(n)]
+
+
+def _newton_recip_contracted(b):
+    """recip_f32 as Triton compiled it with FMA contraction and the old split
+    (lo = a - hi): each Newton step's split subtracts hi from the UNROUNDED
+    product y * t (float64 holds it exactly)."""
+    y = (np.uint32(0x7EF311C3) - b.view(np.uint32)).view(F32)
+    exact = y.astype(np.float64)
+    for _ in range(4):
+        hi = (y.view(np.uint32) & np.uint32(0xFFFFF000)).view(F32)
+        lo = (exact - hi.astype(np.float64)).astype(F32)
+        nb = (-b).astype(F32)
+        bh = (nb.view(np.uint32) & np.uint32(0xFFFFF000)).view(F32)
+        bl = (nb - bh).astype(F32)
+        t = (((F32(2) + bh * hi).astype(F32) + (bh * lo + bl * hi).astype(F32)).astype(F32) + bl * lo).astype(F32)
+        exact = y.astype(np.float64) * t.astype(np.float64)
+        y = exact.astype(F32)
+    return y
+
+
+def test_saved_triton_fma_pools_root_cause():
+    """Pools the Triton compress got wrong on the H200 with FMA contraction: the
+    reference gives the golden bytes (the XLA, Pallas and contraction-off Triton
+    bytes), and a numpy model of the contracted Newton step of recip_f32 reproduces
+    the wrong bytes exactly, which pins the cause on lo = a - hi of a product."""
+    d, pools = _saved_pools()
+    ape = d["ape"].astype(F32)
+    for j, (k, g) in enumerate(pools):
+        q8, _ = jax.jit(nm.compress_pool)([jnp.asarray(k[i]) for i in range(4)],
+                                          [jnp.asarray(g[i]) for i in range(4)],
+                                          [jnp.asarray(ape[i]) for i in range(4)])
+        got = np.asarray(q8).view(np.uint8)
+        np.testing.assert_array_equal(got, d[f"golden{j}"], err_msg=f"pool {j}")
+        np.testing.assert_array_equal(got, d[f"triton_nofma{j}"], err_msg=f"pool {j}")
+        assert (d[f"triton_fma{j}"] != got).any()
+        # the same pooling with the contracted reciprocal
+        s = g + ape
+        m = s.max(0)
+        e = [np.asarray(nm.exp_f32(jnp.asarray((s[i] - m).astype(F32)))) for i in range(4)]
+        den = e[0]
+        acc = np.asarray(nm.mac(jnp.zeros(128, jnp.float32), jnp.asarray(k[0]), jnp.asarray(e[0])))
+        for i in range(1, 4):
+            den = (den + e[i]).astype(F32)
+            acc = np.asarray(nm.mac(jnp.asarray(acc), jnp.asarray(k[i]), jnp.asarray(e[i])))
+        x = np.asarray(nm.round_bf16(jnp.asarray((acc * _newton_recip_contracted(den)).astype(F32))))
+        q8c, _ = nm.rotate_quant(jnp.asarray(x))
+        np.testing.assert_array_equal(np.asarray(q8c).view(np.uint8), d[f"triton_fma{j}"], err_msg=f"pool {j}")

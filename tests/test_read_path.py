@@ -244,13 +244,15 @@ def test_topk_pools_exact_ties_and_short_rows(rng, splits):
     assert (got[3] == -1).all() and (got[1, 9:] == -1).all() and got[1, 8] == 5   # NaN last of 9
 
 
-@pytest.mark.parametrize("tune", ["no-prefilter", "prefilter", "small-chunks"])
+@pytest.mark.parametrize("tune", ["no-prefilter", "prefilter", "small-chunks", "filter-auto"])
 def test_topk_pools_tunings_are_exact(rng, tune):
     """Every launch shape of the sweep selects the same ids; the pre-filter floor
     admits at least k keys of each row (so it can never drop a top-k id)."""
     from pallas_kernels import topk as tk
-    t = {"no-prefilter": tk.Tuning(buckets_per_k=0), "prefilter": tk.Tuning(buckets_per_k=4),
-         "small-chunks": tk.Tuning(score_chunk=64, target_programs=16, buckets_per_k=2)}[tune]
+    t = {"no-prefilter": tk.Tuning(buckets_per_k=0, mode="stream"),
+         "prefilter": tk.Tuning(buckets_per_k=4, mode="stream"),
+         "small-chunks": tk.Tuning(score_chunk=64, target_programs=16, buckets_per_k=2, mode="stream"),
+         "filter-auto": tk.Tuning()}[tune]
     rows, n, k = 5, 2000, 24
     x = rng.standard_normal((rows, n)).astype(np.float32)
     x[1] = rng.integers(-2, 3, size=n)                               # ties across the floor
@@ -263,6 +265,23 @@ def test_topk_pools_tunings_are_exact(rng, tune):
     assert floor[0] > 0 and floor[3] == 0                            # short row: no floor
     got = np.asarray(tk.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k, tune=t))
     np.testing.assert_array_equal(got, np_topk(x, lengths, k))
+
+
+def test_topk_filter_auto_cap():
+    """filter_cap = 0 (the default) sizes the lists from the row: room for 5 k candidates
+    per row, or for every key when the row is too short for a floor; the select tile
+    (splits x cap) stays bounded. The H200 shape [64, 131072], k = 512 gets 64-slot
+    lists over 2048-score spans (137 us in the first GPU sweep)."""
+    from pallas_kernels import topk as tk
+    t = tk.Tuning()
+    assert t.mode == "filter" and t.filter_cap == 0
+    assert tk.filter_shape(131072, 512, t) == (2048, 2048, 64, 64)
+    for n, k in [(131072, 512), (8192, 512), (3000, 512), (1 << 20, 512), (2000, 24), (50, 24)]:
+        span, chunk, splits, cap = tk.filter_shape(n, k, t)
+        room = n if n < 2 * t.buckets_per_k * k else tk.FILTER_ROOM_PER_K * k
+        assert splits * span >= n > (splits - 1) * span and chunk <= span and cap <= span, (n, k)
+        assert splits * cap >= min(room, n) or tk.next_pow2(splits) * cap >= tk.MAX_SELECT_SLOTS, (n, k)
+        assert tk.next_pow2(splits) * cap <= max(tk.MAX_SELECT_SLOTS, tk.next_pow2(splits) * tk.FILTER_MIN_CAP)
 
 
 # filter mode at test sizes: [6, 2048] scores, k = 24 (96 runs of 22 for the floor);
