@@ -1,9 +1,8 @@
 """Timing helpers shared by the benchmark scripts (GPU first; they run on CPU too).
 
-Kernels are timed inside jitted programs that chain many calls, the cache
-threaded through and donated; the time per call is the difference between a
-long and a short chain over the difference of their lengths, so it is device
-time per call (launch included), without the fixed cost of dispatching a jit. Reported numbers are ratios against baselines
+Kernels are timed inside ONE jitted program that chains `reps` calls, the cache
+threaded through and donated, so the time is device time per call (launch
+included) plus 1/reps of one jit dispatch (reps = 100 for latency-bound kernels). Reported numbers are ratios against baselines
 measured in the same run: device-to-device copy bandwidth, an empty Pallas
 launch, the XLA reference.
 """
@@ -18,9 +17,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 
-SHORT_FRACTION = 5         # the short chain has reps // SHORT_FRACTION calls (at least 1)
-
-
 def _chain(step, reps):
     @functools.partial(jax.jit, donate_argnums=0)
     def chain(s, *a):
@@ -30,7 +26,18 @@ def _chain(step, reps):
     return chain
 
 
-def _median_seconds(chain, state, args, trials):
+def time_chain(step, state, *args, reps=20, trials=5):
+    """Seconds per call of `state = step(state, *args)` chained `reps` times in ONE jit
+    (the state threaded through and donated): median over `trials` of the chain's
+    time / reps. Returns (seconds per call, the final state).
+
+    The time includes 1/reps of what dispatching the jit costs once (~40-60 us on
+    the H200): with reps = 20 that is 2-3 us per call, more than an empty kernel
+    launch, so latency-bound kernels are timed with reps = 100 (<= 0.6 us). Taking
+    the difference of a short and a long chain instead was tried in session 3 and
+    gave impossible values (calls below an empty launch) at 2 vs 10 calls.
+    """
+    chain = _chain(step, reps)
     state = chain(state, *args)             # compile + warm up
     jax.block_until_ready(state)
     times = []
@@ -38,37 +45,8 @@ def _median_seconds(chain, state, args, trials):
         t0 = time.perf_counter()
         state = chain(state, *args)
         jax.block_until_ready(state)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / reps)
     return float(np.median(times)), state
-
-
-def short_reps(reps: int) -> int:
-    """Length of time_chain's short chain for a long chain of `reps` calls."""
-    return max(1, reps // SHORT_FRACTION)
-
-
-def time_chain(step, state, *args, reps=20, trials=5):
-    """Device seconds per call of `state = step(state, *args)`: the cost of ONE MORE call
-    in a chain of calls inside one jit, the state threaded through and donated.
-
-    Two chains are timed, of reps and reps // SHORT_FRACTION calls (median of
-    `trials` runs each); the result is the difference of the two times over the
-    difference of their lengths. That cancels what a jit call costs once, whatever
-    its length (Python dispatch, argument handling, the final synchronisation:
-    ~40-60 us on the H200, which a 20-call chain spread as 2-3 us over every call:
-    more than an empty kernel launch). The chains are unrolled, and XLA compiles
-    every Pallas call of them separately (~1 s each), so the two chains together
-    hold only ~1.2 x reps calls. If noise makes the long chain no slower than the
-    short one (CPU smoke runs), the long chain's time per call is returned instead
-    (an upper bound). Returns (seconds per call, the final state).
-    """
-    lo = short_reps(reps)
-    if reps <= lo:
-        raise ValueError(f"time_chain needs reps > {lo}, got {reps}")
-    short, state = _median_seconds(_chain(step, lo), state, args, trials)
-    long_, state = _median_seconds(_chain(step, reps), state, args, trials)
-    t = (long_ - short) / (reps - lo)
-    return (t if t > 0 else long_ / reps), state
 
 
 def chain_cache_copies(step, state, *args, reps=3):
@@ -117,5 +95,5 @@ def empty_launch_seconds():
     def step(s):
         return B.pallas_call(_empty_kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),
                              input_output_aliases={0: 0}, interpret=None, name="empty", num_warps=1)(s)
-    t, _ = time_chain(step, x, reps=20)
+    t, _ = time_chain(step, x, reps=100)
     return t

@@ -5,9 +5,8 @@ Usage: python benchmarks/launch_overhead.py
 A chained call of the seed (request ends) or the decode update cost ~14 us on the
 H200 in 20-call chains (session 2) while Nsight Compute gives their kernels ~4 us,
 and an empty launch chained at ~4 us. This prints the time per call of
-``_timing.time_chain`` with reps 20 and 100 (since session 3 that is the difference
-between a reps // 5 and a reps call chain; session 3's run 2 still divided one
-chain's time by its length), as a ratio to the empty one-operand launch:
+``_timing.time_chain`` (one chain's time / its length) with reps 20 and 100, as a
+ratio to the empty one-operand launch:
   * the empty kernel with one 4 KiB operand (the baseline of bench_writes);
   * the empty kernel with the seed's operands (ends, tslot, key, gate, cache view);
   * the empty kernel on the seed's grid (32 programs);

@@ -46,23 +46,10 @@ def test_read_harness_keeps_calls_that_ignore_their_int_argument(monkeypatch):
 
 
 def test_write_harness_keeps_every_call(monkeypatch):
-    """Both chains of time_chain (reps // SHORT_FRACTION and reps calls) keep every call."""
     import _timing
     a = jnp.ones((128, 128))
     step = lambda s, a: jnp.sin(s @ a)
-    made = []
-    orig = jax.jit
-
-    def spy(fn=None, **kw):
-        j = orig(fn, **kw) if fn is not None else orig(**kw)
-        made.append(j)
-        return j
-    monkeypatch.setattr(_timing.jax, "jit", spy)
-    _timing.time_chain(step, jnp.ones((128, 128)), a, reps=10, trials=1)
-    monkeypatch.setattr(_timing.jax, "jit", orig)
-    counts = []
-    for j in made:
-        hlo = j.lower(jnp.ones((128, 128)), a).compile().as_text()
-        counts.append(sum(1 for line in hlo.splitlines()
-                          if line.strip().startswith(("%ynn_fusion", "%dot", "%fusion")) and "dot" in line))
-    assert sorted(counts) == [10 // _timing.SHORT_FRACTION, 10], f"chains compiled to {counts} matmuls"
+    n = _count_dots(monkeypatch, _timing,
+                    lambda: (_timing.time_chain(step, jnp.ones((128, 128)), a, reps=4, trials=1),
+                             (jnp.ones((128, 128)), a))[1])
+    assert n == 4, f"the chain of 4 calls compiled to {n} matmuls"
