@@ -4,8 +4,10 @@ Usage (on the H200):
     PYTHONPATH=$PWD python benchmarks/bench_writes.py [--quick] [--impls pallas,triton,xla] [--json out.json]
 
 For each case and implementation it prints the time per call (``_timing.time_chain``:
-one jitted chain of calls; 100 calls for the latency-bound seed and decode cases,
-so the one jit dispatch adds <= 0.6 us per call, 10 for compression), the bytes the op
+one jitted chain of calls; 100 calls for the latency-bound seed and decode
+kernels, so the one jit dispatch adds <= 0.6 us per call, 10 for compression and
+for the XLA reference, whose calls take >= 10 us and whose 100-call chains take
+minutes to compile), the bytes the op
 must move (each input read once, each output written once), the achieved
 fraction of the device-to-device copy bandwidth measured in this run, the ratio
 to an empty Pallas launch, and the speed-up over the XLA reference (when "xla"
@@ -66,12 +68,13 @@ def bench_prefill(rng, total_tokens, n_requests, reps, impls, reps_latency):
             kw = dict(request_ends_tokens=ends) if with_ends and impl != "xla" else {}
             step = lambda c, k, g, s, impl=impl, kw=kw: ops.seed_tail(c, layout, 0, k, g, s, implementation=impl,
                                                                       **kw)
-            res[impl], _ = time_chain(step, layout.allocate(0), *args, tslot, reps=reps_latency)
+            res[impl], _ = time_chain(step, layout.allocate(0), *args, tslot,
+                                      reps=reps if impl == "xla" else reps_latency)
         rows.append((name, f"{t} tok / {n_requests} req", res, seed_bytes))
     return rows
 
 
-def bench_decode(rng, batch, next_n, reps, impls):
+def bench_decode(rng, batch, next_n, reps, impls, reps_xla):
     cfg = IndexerConfig(num_spec_tokens=max(0, next_n - 1))
     ctx = 4 * 1152 - 8
     layout = CacheLayout(cfg, num_layers=1, num_blocks=batch * 6 + 2)
@@ -89,7 +92,8 @@ def bench_decode(rng, batch, next_n, reps, impls):
     for impl in impls:
         step = lambda c, k, g, a, s, ts, p, impl=impl: ops.decode_update(c, layout, 0, k, g, a, s, ts, p,
                                                                          implementation=impl)
-        res[impl], _ = time_chain(step, layout.allocate(0), *args, ape, *meta, reps=reps)
+        res[impl], _ = time_chain(step, layout.allocate(0), *args, ape, *meta,
+                                  reps=reps_xla if impl == "xla" else reps)
     return [("decode_update", f"B={batch} next_n={next_n}", res, nbytes)]
 
 
@@ -123,6 +127,7 @@ def main(argv=None):
     reps_latency = 3 if a.quick else 100            # seed and decode (a few us a call)
     bw = copy_bandwidth(1 << 24 if a.quick else 1 << 30)
     empty = empty_launch_seconds()
+    print(f"measured copy bandwidth {bw / 1e12:.2f} TB/s, empty Pallas launch {empty * 1e6:.2f} us", flush=True)
     rows = []
 
     def add(new):                                   # progress, in case a time limit cuts the run
@@ -134,7 +139,7 @@ def main(argv=None):
     # limit cuts the run; the table below lists them in size order
     for b in ((4,) if a.quick else (256, 64, 1)):
         for n in (1, 4):
-            add(bench_decode(rng, b, n, reps_latency, impls))
+            add(bench_decode(rng, b, n, reps_latency, impls, reps))
         if b == 256 or a.quick:
             for total in ((1024,) if a.quick else (32768, 131072, 4096)):
                 add(bench_prefill(rng, total, 4 if a.quick else 64, reps, impls, reps_latency))
@@ -145,7 +150,7 @@ def main(argv=None):
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
           f"implementations {', '.join(impls)}")
     print(f"copy bandwidth measured now: {bw / 1e12:.2f} TB/s; empty Pallas launch: {empty * 1e6:.2f} us "
-          f"(chains of {reps_latency} calls for decode and seed, {reps} for compression)\n")
+          f"(chains of {reps_latency} calls for the Pallas/Triton decode and seed, {reps} for compression and XLA)\n")
     hdr = (f"{'kernel':<18}{'case':<24}{'impl':<8}{'us/call':>10}{'MB moved':>10}{'frac copy BW':>14}"
            f"{'x empty':>9}{'vs XLA':>9}")
     print(hdr)

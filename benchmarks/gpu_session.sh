@@ -41,7 +41,7 @@ echo "bench_scaleout rc=$?" >> "$OUT/bench_scaleout.txt"
 # phase 3
 ( CUDA_VISIBLE_DEVICES=0 timeout "${P3_S:-100}" python3 benchmarks/bench_read.py --skip-prefill --batches 64 \
     --contexts 131072 --sweep --json "$OUT/bench_read.json" > "$OUT/bench_read.txt" 2>&1 ) &
-( CUDA_VISIBLE_DEVICES=1 timeout "${P3_S:-100}" ${P3_GPU1:-python3 tests/scripts/run_notebook_cells.py} \
+( CUDA_VISIBLE_DEVICES=1 timeout "${P3_S:-100}" bash -c "${P3_GPU1:-python3 tests/scripts/run_notebook_cells.py}" \
     > "$OUT/gpu1_phase3.txt" 2>&1; echo "rc=$?" >> "$OUT/gpu1_phase3.txt" ) &
 wait
 
