@@ -105,9 +105,11 @@ _take_rows = jax.jit(_take_rows_impl, static_argnames=("mesh",))
 # did not compile. plan: admission and per-shard row planning; batch: the step's
 # metadata arrays built and put on the devices; dispatch: the jitted step call until
 # it returns (asynchronous); device_wait: until the next tokens reach the host;
-# fetch_selected: the selected-token copy of recorded requests; commit: results
-# applied to requests and block pools.
+# fetch_selected: the recorded requests' selected tokens gathered on the devices and
+# their host copies started (they are not waited for); commit: results applied to
+# requests and block pools.
 STEP_PHASES = ("plan", "batch", "dispatch", "device_wait", "fetch_selected", "commit")
+RECORD_LAG_STEPS = 2       # recorded rows reach the host at most this many steps after their step
 
 
 def total_traces() -> int:
@@ -129,8 +131,9 @@ class _Request:
     output: list = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    selected: dict = dataclasses.field(default_factory=dict)     # position -> [L, W] i32
-    predicted: dict = dataclasses.field(default_factory=dict)    # position -> greedy next token
+    # recorded steps, in order: (first position, _Fetched rows [L, R, W] or None, their
+    # columns [n], greedy next tokens [n]); turned into dicts only when read
+    records: list = dataclasses.field(default_factory=list)
     snapshot: dict | None = None
     shard: int | None = None                                     # placed at admission
     proposed_drafts: int = 0
@@ -140,9 +143,33 @@ class _Request:
     def tokens(self) -> list:
         return self.prompt + self.output
 
+    def recorded(self) -> tuple:
+        """(selected {position: [L, W] i32}, predicted {position: token}) of the recorded steps."""
+        selected, predicted = {}, {}
+        for start, fetched, cols, tokens in self.records:
+            rows = fetched.host()
+            for j, (c, t) in enumerate(zip(cols, tokens)):
+                selected[start + j] = rows[:, c]
+                predicted[start + j] = int(t)
+        return selected, predicted
+
     @property
     def prefill_done(self) -> bool:
         return self.num_computed_tokens >= len(self.prompt)
+
+
+class _Fetched:
+    """One shard's recorded rows of one step: [L, R, W] i32, copied to the host in the
+    background (started at fetch); ``host()`` waits for the copy only when read."""
+
+    def __init__(self, array, shard: int):
+        self._array, self._shard, self._host = array, shard, None
+
+    def host(self) -> np.ndarray:
+        if self._host is None:
+            self._host = np.asarray(self._array)[self._shard]
+            self._array = None                      # the device rows can go
+        return self._host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +300,7 @@ class Engine:
         self.compile_step_seconds = 0.0     # wall time of the steps that compiled
         # where the wall time of the steps that did not compile went (host seconds)
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
+        self._fetches: list = []            # (step, [_Fetched per shard]) not yet on the host
 
     @property
     def block_pool(self) -> BlockPool:
@@ -342,9 +370,10 @@ class Engine:
 
     def get_output(self, request_id) -> RequestOutput:
         req = self._get(request_id)
+        selected, predicted = req.recorded()
         return RequestOutput(req.request_id, tuple(req.prompt), tuple(req.output), req.status,
-                             req.num_cached_tokens, req.num_computed_tokens, dict(req.selected),
-                             dict(req.predicted), req.snapshot, req.shard)
+                             req.num_cached_tokens, req.num_computed_tokens, selected,
+                             predicted, req.snapshot, req.shard)
 
     @property
     def outputs(self) -> dict:
@@ -525,10 +554,13 @@ class Engine:
         return rows
 
     def _fetch_selected(self, plans, shape: StepShape, selected):
-        """Per shard, (selections [L, R, W] of its recorded rows, {flat row: column}), or
-        None when no request of the step is recorded. Only those rows leave the
-        devices (gathered there first): the whole [D, L, T, W] array is ~34 MB per
-        device for a 2,064-token step and W = 2,051, most of it not recorded."""
+        """Per shard, (_Fetched selections [L, R, W] of its recorded rows, {flat row:
+        column}), or None when no request of the step is recorded. Only those rows
+        leave the devices (gathered there first: the whole [D, L, T, W] array is ~34
+        MB per device for a 2,064-token step and W = 2,051), and the step does not
+        wait for them: the copy runs in the background and is read when a request's
+        output is (``get_output``), or after RECORD_LAG_STEPS steps at the latest."""
+        self._settle_fetches(RECORD_LAG_STEPS)
         rows = [self._recorded_rows(p, shape) for p in plans]
         if not any(rows):
             return None
@@ -538,8 +570,16 @@ class Engine:
             idx[d, :len(r)] = r
         got = _take_rows(selected, sharding.put_per_shard(idx, self.mesh), mesh=self.mesh)
         got.copy_to_host_async()                     # every shard's copy starts now, side by side
-        got = np.asarray(got)
-        return [(got[d], {row: c for c, row in enumerate(r)}) for d, r in enumerate(rows)]
+        fetched = [_Fetched(got, d) for d in range(self.num_shards)]
+        self._fetches.append((self.steps, fetched))
+        return [(f, {row: c for c, row in enumerate(r)}) for f, r in zip(fetched, rows)]
+
+    def _settle_fetches(self, lag: int):
+        """Bring recorded rows fetched `lag` or more steps ago to the host (their copies
+        are done by then) and free their device buffers."""
+        while self._fetches and self.steps - self._fetches[0][0] >= lag:
+            for f in self._fetches.pop(0)[1]:
+                f.host()
 
     def _commit(self, shard: int, plan: _ShardPlan, shape: StepShape, next_tok, sel) -> list:
         """Apply one shard's results (next_tok [T]; sel: (selections [L, R, W] of the
@@ -583,10 +623,9 @@ class Engine:
     def _record(self, req, start_pos, flat0, n, next_tok, sel):
         if sel is None or not _wants(self.record, req.request_id):
             return
-        rows, col = sel                 # rows holds recorded rows only: keep views, no copies
-        for j in range(n):
-            req.predicted[start_pos + j] = int(next_tok[flat0 + j])
-            req.selected[start_pos + j] = rows[:, col[flat0 + j]]
+        fetched, col = sel
+        req.records.append((start_pos, fetched, [col[flat0 + j] for j in range(n)],
+                            np.array(next_tok[flat0:flat0 + n])))
 
     def run(self, max_steps: int = 100_000, on_step=None) -> dict:
         """Step until every request finished (or max_steps); returns ``outputs``."""

@@ -299,10 +299,11 @@ def plan_num_blocks(w: Workload, model=None, mesh=None) -> int:
 
 
 class _WatchedBytes:
-    """The watched byte ranges of one shard's cache, gathered on that device (only
-    these bytes come to the host, not the whole cache)."""
+    """The watched byte ranges of one shard's cache, gathered and compared with their
+    first contents on that device: only two counts come to the host per read, not
+    the bytes."""
 
-    def __init__(self, eng, shard: int, ranges_bytes):
+    def __init__(self, eng, shard: int, ranges_bytes, page_bytes: int):
         import jax
         import numpy as np
         from pallas_kernels.addressing import view_row_col
@@ -314,26 +315,44 @@ class _WatchedBytes:
         self.shard = shard
         rows, cols = view_row_col(words)                                                      # [n] each
         self.rows, self.cols = jax.device_put((rows.astype(np.int32), cols.astype(np.int32)), device)
-        self._gather = jax.jit(lambda c, r, k: c.reshape(-1, VIEW_COLS)[r, k])
+        self._page_bytes = page_bytes
+        self._pending = None
+        gather = jax.jit(lambda c, r, k: c.reshape(-1, VIEW_COLS)[r, k])
+        self.snapshot = gather(sharding.device_shard(eng.cache, shard), self.rows, self.cols)   # [n] u32
+        self._compare = jax.jit(_changed_counts, static_argnames=("page_bytes",))
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
 
     def start(self, eng):
-        """Gather the watched bytes now, on the device; `finish` brings them to the host.
-        Starting every probe's read before finishing any lets the shards' gathers and
-        copies run side by side."""
+        """Compare the watched bytes as they are now (after step ``eng.steps``) with the
+        snapshot, on the device, and start copying the two counts to the host; the
+        call does not wait (`finish` does)."""
         from . import sharding
-        self._pending = self._gather(sharding.device_shard(eng.cache, self.shard), self.rows, self.cols)
-        self._pending.copy_to_host_async()
+        counts = self._compare(sharding.device_shard(eng.cache, self.shard), self.rows, self.cols,
+                               self.snapshot, page_bytes=self._page_bytes)
+        counts.copy_to_host_async()
+        self._pending = (counts, eng.steps)
 
-    def finish(self):
-        """The watched bytes of the last `start`: uint8[sum of range lengths]."""
+    def finish(self) -> tuple:
+        """(bytes changed, pages changed, the step they were read after) of the last `start`."""
         import numpy as np
-        out, self._pending = np.asarray(self._pending).view(np.uint8), None
-        return out
+        (counts, step), self._pending = self._pending, None
+        out = np.asarray(counts)
+        return int(out[0]), int(out[1]), step
 
-    def read(self, eng):
-        """The watched bytes now: uint8[sum of range lengths]."""
-        self.start(eng)
-        return self.finish()
+
+def _changed_counts(cache, rows, cols, snapshot, *, page_bytes: int):
+    """[2] i32: bytes of cache[rows, cols] (u32 words of the [rows, 1024] view) that differ
+    from `snapshot`, and pages of page_bytes with any such byte."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
+    x = cache.reshape(-1, VIEW_COLS)[rows, cols] ^ snapshot                               # [n] u32
+    diff = jnp.stack([(x >> (8 * i)) & 0xFF for i in range(WORD_BYTES)], axis=-1) != 0   # [n, 4] bytes
+    pages = jnp.any(diff.reshape(-1, page_bytes), axis=1)
+    return jnp.stack([jnp.sum(diff.astype(jnp.int32)), jnp.sum(pages.astype(jnp.int32))])
 
 
 def _shard_summary(d, probes, rounds, st_shard, run_s) -> dict:
@@ -381,11 +400,22 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
     probes = [dict(prompt=s, shard=None, blocks=[], watched=[], reader=None, snapshot=None, max_changed=0,
                    first_change_step=None, changed_pages=0) for s in range(len(prompts))]
 
+    def settle(pr):
+        """Take in a probe's read started after an earlier step (if any)."""
+        if pr["reader"] is None or not pr["reader"].pending:
+            return
+        changed, pages, step = pr["reader"].finish()
+        if changed and pr["first_change_step"] is None:
+            pr["first_change_step"] = step
+        pr["max_changed"] = max(pr["max_changed"], changed)
+        pr["changed_pages"] = max(pr["changed_pages"], pages)
+
     def on_step(e):
-        for pr in probes:                                   # every shard's read in flight at once
-            if pr["reader"] is not None:
-                pr["reader"].start(e)
+        # The reads started after the previous step ran on the devices while this step
+        # was dispatched: taking them in now costs no wait. Then every shard's read of
+        # the cache as this step left it starts, to be taken in after the next step.
         for s, pr in enumerate(probes):
+            settle(pr)
             if pr["reader"] is None:
                 out = e.get_output(prompt_id(s))
                 if out.num_computed_tokens >= len(prompts[s]) and out.status == "running":
@@ -393,15 +423,9 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
                     pr["blocks"] = e.request_blocks(prompt_id(s))[0][:len(prompts[s]) // bs]
                     pr["watched"] = [lay.block_byte_range(layer, b) for layer in range(lay.num_layers)
                                      for b in pr["blocks"]]
-                    pr["reader"] = _WatchedBytes(e, out.shard, pr["watched"])
-                    pr["snapshot"] = pr["reader"].read(e)
+                    pr["reader"] = _WatchedBytes(e, out.shard, pr["watched"], idx.page_bytes)
                 continue
-            diff = pr["reader"].finish() != pr["snapshot"]
-            changed = int(diff.sum())
-            if changed and pr["first_change_step"] is None:
-                pr["first_change_step"] = e.steps
-            pr["max_changed"] = max(pr["max_changed"], changed)
-            pr["changed_pages"] = max(pr["changed_pages"], int(diff.reshape(-1, idx.page_bytes).any(axis=1).sum()))
+            pr["reader"].start(e)
         bar.update(e.num_finished(), f"step {e.steps}, {sum(p.evictions for p in e.block_pools)} evictions")
 
     if progress:
@@ -416,6 +440,8 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
 
     t0 = time.perf_counter()
     hits = _drive(eng, w, prompts, fillers, news, timed_on_step)
+    for pr in probes:                                       # the reads after the last step
+        settle(pr)
     wall = time.perf_counter() - t0
     bar.close()
     rounds = []
