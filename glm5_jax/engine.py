@@ -245,7 +245,8 @@ class Engine:
     ``chunk_policy(request_id, start_token, remaining_tokens, max_tokens) -> int``
     (cut prompts anywhere), ``draft_fn(request_id, tokens, k) -> list`` (default:
     prompt lookup), ``record`` (keep each position's selected tokens and greedy
-    prediction), ``snapshot_on_finish`` (keep a request's cache bytes at finish;
+    prediction; they reach the host in the background, within RECORD_LAG_STEPS
+    steps, and ``get_output`` returns them), ``snapshot_on_finish`` (keep a request's cache bytes at finish;
     both take a bool or a predicate ``request_id -> bool``), ``fault``
     (inject a historical bug), ``dry_run`` (schedule and allocate blocks only: no
     model, no cache, every prediction 0).

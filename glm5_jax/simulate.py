@@ -307,7 +307,7 @@ class _WatchedBytes:
         import jax
         import numpy as np
         from pallas_kernels.addressing import view_row_col
-        from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
+        from pallas_kernels.strides import WORD_BYTES
 
         from . import sharding
         words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in ranges_bytes])
@@ -317,9 +317,7 @@ class _WatchedBytes:
         self.rows, self.cols = jax.device_put((rows.astype(np.int32), cols.astype(np.int32)), device)
         self._page_bytes = page_bytes
         self._pending = None
-        gather = jax.jit(lambda c, r, k: c.reshape(-1, VIEW_COLS)[r, k])
-        self.snapshot = gather(sharding.device_shard(eng.cache, shard), self.rows, self.cols)   # [n] u32
-        self._compare = jax.jit(_changed_counts, static_argnames=("page_bytes",))
+        self.snapshot = _jitted()[0](sharding.device_shard(eng.cache, shard), self.rows, self.cols)  # [n] u32
 
     @property
     def pending(self) -> bool:
@@ -330,8 +328,8 @@ class _WatchedBytes:
         snapshot, on the device, and start copying the two counts to the host; the
         call does not wait (`finish` does)."""
         from . import sharding
-        counts = self._compare(sharding.device_shard(eng.cache, self.shard), self.rows, self.cols,
-                               self.snapshot, page_bytes=self._page_bytes)
+        counts = _jitted()[1](sharding.device_shard(eng.cache, self.shard), self.rows, self.cols,
+                              self.snapshot, page_bytes=self._page_bytes)
         counts.copy_to_host_async()
         self._pending = (counts, eng.steps)
 
@@ -341,6 +339,21 @@ class _WatchedBytes:
         (counts, step), self._pending = self._pending, None
         out = np.asarray(counts)
         return int(out[0]), int(out[1]), step
+
+
+_JITTED = []
+
+
+def _jitted():
+    """(gather, compare), jitted once per process: every probe (and shard) of the same
+    size shares one compilation."""
+    if not _JITTED:
+        import jax
+
+        from pallas_kernels.strides import VIEW_COLS
+        _JITTED.extend([jax.jit(lambda c, r, k: c.reshape(-1, VIEW_COLS)[r, k]),
+                        jax.jit(_changed_counts, static_argnames=("page_bytes",))])
+    return _JITTED
 
 
 def _changed_counts(cache, rows, cols, snapshot, *, page_bytes: int):

@@ -174,11 +174,16 @@ def test_chunked_prefill_any_boundary_matches_unchunked(rng):
     snap_one, snap_many = step_until_prefilled(one, "r"), step_until_prefilled(many, "r")
     assert many.steps == len(ends) and one.steps == 1
     assert_same_bytes(snap_one, snap_many, f"after prefill in chunks ending at {ends}")
-    one.run(), many.run()
+    in_flight = []                                  # recorded rows not yet on the host, per step
+    one.run(), many.run(on_step=lambda e: in_flight.append(len(e._fetches)))
+    assert 0 < max(in_flight) <= eng_mod.RECORD_LAG_STEPS
     a, b = one.get_output("r"), many.get_output("r")
     assert a.output_tokens == b.output_tokens and len(a.output_tokens) == new
     assert_same_bytes(a.snapshot, b.snapshot, f"at finish, chunks ending at {ends}")
     assert sorted(a.selected_tokens) == list(range(n + new - 1))
+    assert a.predicted_tokens == b.predicted_tokens and sorted(a.predicted_tokens) == sorted(a.selected_tokens)
+    again = many.get_output("r")                    # reading twice gives the same rows
+    assert all(np.array_equal(again.selected_tokens[p], b.selected_tokens[p]) for p in b.selected_tokens)
     assert_same_selection(a.selected_tokens, b.selected_tokens, sorted(a.selected_tokens), f"chunks {ends}")
     assert sparse_rows(a.selected_tokens), "no row took the sparse path: the test would not see pools"
 
