@@ -76,19 +76,46 @@ _TRACE_COUNT = [0]
 _GATHER_TRACES = [0]                         # traces of the recorded-row gather (_take_rows)
 
 
-def _step_impl(state, cache, batch, *, graphdef, layout, implementation, fault, mesh):
-    """One step on every device: cache [D, words] and batch leaves [D, ...] -> (cache,
-    next_token [D, T] i32, selected [D, num_layers, T, W] i32)."""
+def pack_step_arrays(per_shard: list) -> tuple:
+    """Every shard's step arrays (``StepArrays.as_dict()``, all int32) as ONE int32 array
+    [D, total] (the fields of shard d raveled one after another, in name order) and
+    the static field list ((name, shape), ...) that unpacks it. One host-to-device
+    copy per device and step instead of one per field (15)."""
+    names = sorted(per_shard[0])
+    fields = tuple((k, tuple(per_shard[0][k].shape)) for k in names)
+    for d in per_shard:
+        for k, shape in fields:
+            if d[k].dtype != np.int32 or tuple(d[k].shape) != shape:
+                raise ValueError(f"step array {k}: every shard needs int32 {shape}, got {d[k].dtype} "
+                                 f"{tuple(d[k].shape)}")
+    return np.stack([np.concatenate([d[k].ravel() for k in names]) for d in per_shard]), fields
+
+
+def unpack_step_arrays(flat, fields) -> dict:
+    """Inverse of pack_step_arrays for one device's row: flat [total] -> {name: array}."""
+    out, at = {}, 0
+    for name, shape in fields:
+        n = int(np.prod(shape, dtype=np.int64))
+        out[name] = flat[at:at + n].reshape(shape)
+        at += n
+    return out
+
+
+def _step_impl(state, cache, flat, *, fields, graphdef, layout, implementation, fault, mesh):
+    """One step on every device: cache [D, words] and the packed step arrays flat
+    [D, total] i32 (``pack_step_arrays``) -> (cache, next_token [D, T] i32,
+    selected [D, num_layers, T, W] i32)."""
     _TRACE_COUNT[0] += 1                      # runs once per trace, i.e. per compilation
 
-    def one_device(state, cache, batch):      # cache [words], batch leaves without the device axis
+    def one_device(state, cache, flat):       # cache [words], flat [total]: this device's rows
         model = nnx.merge(graphdef, state)
-        return model(cache, batch, layout=layout, implementation=implementation, fault=fault)
+        return model(cache, unpack_step_arrays(flat, fields), layout=layout, implementation=implementation,
+                     fault=fault)
 
-    return sharding.per_shard(one_device, mesh, replicated_args=1)(state, cache, batch)
+    return sharding.per_shard(one_device, mesh, replicated_args=1)(state, cache, flat)
 
 
-_step = jax.jit(_step_impl, static_argnames=("graphdef", "layout", "implementation", "fault", "mesh"),
+_step = jax.jit(_step_impl, static_argnames=("fields", "graphdef", "layout", "implementation", "fault", "mesh"),
                 donate_argnames=("cache",))
 
 
@@ -486,10 +513,12 @@ class Engine:
             pre_rows.append(RowSpec(req.prompt[s:s + n], s, rb.index_blocks, rb.tail_block))
         return _ShardPlan(decode, prefill, dec_rows, dec_drafts, pre_rows)
 
-    def _batch(self, shape: StepShape, plans) -> dict:
-        """Every shard's step arrays stacked on a leading device axis, row d on device d."""
-        per = [build_step(self.config, shape, p.dec_rows, p.pre_rows).as_dict() for p in plans]
-        return sharding.put_per_shard({k: np.stack([a[k] for a in per]) for k in per[0]}, self.mesh)
+    def _batch(self, shape: StepShape, plans) -> tuple:
+        """(every shard's step arrays packed into [D, total] i32 on the devices, row d on
+        device d; the static field list that unpacks them)."""
+        flat, fields = pack_step_arrays(
+            [build_step(self.config, shape, p.dec_rows, p.pre_rows).as_dict() for p in plans])
+        return sharding.put_per_shard(flat, self.mesh), fields
 
     def step(self) -> list:
         """Run one engine step on every shard. Returns the ids of requests that finished in it."""
@@ -513,12 +542,13 @@ class Engine:
         if self.dry_run:
             next_tok, sel = np.zeros((self.num_shards, shape.num_tokens), np.int32), None
         else:
-            batch = self._batch(shape, plans)
+            flat, fields = self._batch(shape, plans)
             mark("batch")
             before, gathers_before = _TRACE_COUNT[0], _GATHER_TRACES[0]
-            self.cache, next_tok, selected = _step(self._state, self.cache, batch, graphdef=self._graphdef,
-                                                   layout=self.layout, implementation=self.implementation,
-                                                   fault=self.fault, mesh=self.mesh)
+            self.cache, next_tok, selected = _step(self._state, self.cache, flat, fields=fields,
+                                                   graphdef=self._graphdef, layout=self.layout,
+                                                   implementation=self.implementation, fault=self.fault,
+                                                   mesh=self.mesh)
             mark("dispatch")
             next_tok.copy_to_host_async()
             next_tok = np.asarray(next_tok)                                  # [D, T]
@@ -646,9 +676,10 @@ class Engine:
         """The step lowered for `shape` with padding-only metadata (``jax.stages.Lowered``),
         to inspect the compiled program (``.compile().as_text()``) without running it."""
         empty = _ShardPlan([], [], [], [], [])
-        return _step.lower(self._state, self._live_cache(), self._batch(shape, [empty] * self.num_shards),
-                           graphdef=self._graphdef, layout=self.layout, implementation=self.implementation,
-                           fault=self.fault, mesh=self.mesh)
+        flat, fields = self._batch(shape, [empty] * self.num_shards)
+        return _step.lower(self._state, self._live_cache(), flat, fields=fields, graphdef=self._graphdef,
+                           layout=self.layout, implementation=self.implementation, fault=self.fault,
+                           mesh=self.mesh)
 
     def cache_bytes(self, shard: int = 0) -> np.ndarray:
         """A host copy of one shard's flat cache as bytes (read from that device only)."""

@@ -125,6 +125,25 @@ def test_step_metadata_heads_padding_and_units(rng):
         build_step(cfg, shape, dec, [RowSpec([1] * 4, 0, [], 41)])
 
 
+def test_step_arrays_pack_into_one_copy_per_device(rng):
+    """The step's metadata goes to each device as one int32 array; unpacking it (what
+    the jitted step does) gives back every field, and mismatched shards are refused."""
+    import jax.numpy as jnp
+    cfg = MODEL_CFG.indexer
+    shape = choose_shape(cfg, [], [RowSpec([1] * 40, 0, np.arange(1, 4), 5)], next_n=1, mins=MINS)
+    per = [build_step(cfg, shape, [], [RowSpec(tokens(rng, n), 0, np.arange(1, 4), 5)]).as_dict()
+           for n in (7, 33)]
+    flat, fields = eng_mod.pack_step_arrays(per)
+    assert flat.dtype == np.int32 and flat.shape[0] == 2 and [f for f, _ in fields] == sorted(per[0])
+    for d in range(2):
+        got = eng_mod.unpack_step_arrays(jnp.asarray(flat[d]), fields)
+        for k, v in per[d].items():
+            np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
+    bad = dict(per[1], dec_positions=per[1]["dec_positions"].astype(np.int64))
+    with pytest.raises(ValueError, match="dec_positions"):
+        eng_mod.pack_step_arrays([per[0], bad])
+
+
 def test_bucketed_shapes_stop_growing(rng):
     """A dry-run engine (scheduler + BlockPool, no model) with natural buckets: a
     steady workload (the same request sizes again, new tokens) adds no step shape."""
