@@ -27,15 +27,15 @@ python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" | 
 KERNEL_TESTS=${KERNEL_TESTS:-"tests --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py"}
 
 # phase 1
-( CUDA_VISIBLE_DEVICES=0 timeout "${P1_S:-270}" python3 -m pytest -q -p no:cacheprovider -n "${XDIST:-8}" -rfE --durations=15 \
+( CUDA_VISIBLE_DEVICES=0 timeout "${P1_S:-330}" python3 -m pytest -q -p no:cacheprovider -n "${XDIST:-12}" -rfE --durations=15 \
     $KERNEL_TESTS > "$OUT/pytest_kernels.log" 2>&1; echo "rc=$?" > "$OUT/rc_kernels" ) &
-( timeout "${P1_S:-270}" python3 -m pytest -q -p no:cacheprovider -rfE -k "not 4" tests/test_sharding.py \
+( timeout "${P1_S:-330}" python3 -m pytest -q -p no:cacheprovider -rfE -k "not 4" tests/test_sharding.py \
     > "$OUT/pytest_sharding.log" 2>&1; echo "rc=$?" > "$OUT/rc_sharding" ) &
-( CUDA_VISIBLE_DEVICES=1 timeout "${P1_S:-270}" python3 benchmarks/bench_writes.py --impls pallas,triton,xla \
+( CUDA_VISIBLE_DEVICES=1 timeout "${P1_S:-330}" python3 benchmarks/bench_writes.py --impls pallas,triton,xla \
     --json "$OUT/bench_writes.json" > "$OUT/bench_writes.txt" 2>&1 ) &
 wait
 # phase 2
-timeout "${P2_S:-170}" python3 benchmarks/bench_scaleout.py --json "$OUT/bench_scaleout.json" ${SCALEOUT_ARGS:-} \
+timeout "${P2_S:-160}" python3 benchmarks/bench_scaleout.py --json "$OUT/bench_scaleout.json" ${SCALEOUT_ARGS:-} \
   > "$OUT/bench_scaleout.txt" 2>&1
 echo "bench_scaleout rc=$?" >> "$OUT/bench_scaleout.txt"
 # phase 3
