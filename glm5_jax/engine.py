@@ -445,11 +445,18 @@ class Engine:
         return sorted(range(self.num_shards), key=lambda s: (self.shard_load(s), s))
 
     def _admit(self):
-        while self._waiting:
-            req = self._waiting[0]
+        """Admit waiting requests in arrival order, first come first served PER SHARD: a
+        request that cannot be placed blocks the shards it could go to (its prefix
+        owner, or every shard it tried) for the requests behind it, but not the others,
+        so one request waiting for a busy shard does not hold back the rest."""
+        blocked, admitted = set(), []
+        for req in self._waiting:
+            if len(blocked) == self.num_shards:
+                break
+            cands = self._candidate_shards(req)
             placed = None
-            for s in self._candidate_shards(req):
-                if self.num_running(s) >= self.max_running_requests:
+            for s in cands:
+                if s in blocked or self.num_running(s) >= self.max_running_requests:
                     continue
                 placed = self.block_pools[s].admit(req.request_id, req.prompt,
                                                    len(req.prompt) + req.max_new_tokens, req.cache_salt)
@@ -457,11 +464,15 @@ class Engine:
                     req.shard = s
                     break
             if placed is None:
-                break
-            self._waiting.popleft()
+                blocked.update(cands)
+                continue
+            admitted.append(req)
             req.status = RUNNING
             req.num_cached_tokens = req.num_computed_tokens = placed.num_cached_tokens
             self._running.append(req)
+        if admitted:
+            done = {id(r) for r in admitted}
+            self._waiting = collections.deque(r for r in self._waiting if id(r) not in done)
 
     def _chunk(self, req) -> int:
         start = req.num_computed_tokens

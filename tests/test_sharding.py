@@ -11,7 +11,9 @@ it share them with this process).
 * scripts/sharded_engine.py: the Engine on a mesh: placement (least loaded,
   re-hit to the owner shard), per-shard tokens, selections and cache bytes equal
   to one-device runs, one compiled program with the cache in place and no
-  cross-device op in its HLO, the serving probe on every shard.
+  cross-device op in its HLO, the serving probe on every shard, and admission
+  first come first served per shard (a request waiting for its busy prefix owner
+  does not hold back one another shard can take).
 
 The bad-input checks run in process.
 """

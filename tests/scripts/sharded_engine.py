@@ -15,7 +15,9 @@ For each mesh size N, with a tiny 1-layer model:
    cache donated and aliased to the output, no collective op and no copy of the
    cache in the compiled HLO, the same device buffers after a step;
 4. the serving probe (simulate, spec 6.1) with one cached prompt per shard holds
-   on every shard.
+   on every shard;
+5. admission is first come first served per shard: a request waiting for its
+   busy prefix owner holds back later requests for that shard only.
 
 Prints 'OK <N>' per mesh size.
 """
@@ -149,7 +151,31 @@ def check_mesh_size(n, num_blocks, single_mesh):
 
     check_hlo(eng, next(iter(eng.shapes_seen)))
     check_equal_to_one_device(eng, [p1, p2], num_blocks, single_mesh)
+    check_no_cross_shard_blocking(mesh, num_blocks)
     print("OK", n, flush=True)
+
+
+def check_no_cross_shard_blocking(mesh, num_blocks):
+    """A request waiting for its busy prefix owner holds back later requests bound for
+    that shard only: a fresh request behind it starts on another shard at once."""
+    eng = simulate.engine_for(WORKLOAD, model, num_blocks, mesh, dry_run=True)
+    cap = eng.max_running_requests
+    prompt = tokens(BS + 5)
+    eng.add_request("p", prompt, 2)
+    eng.run()                                                      # cached on shard 0
+    for i in range(cap + 1):                                       # cap re-hits fill shard 0, one waits
+        eng.add_request(f"hit{i}", prompt, 8)
+    eng.add_request("fresh", tokens(BS // 2), 2)
+    eng.add_request("hit_late", prompt, 2)                         # must not overtake hit{cap} on shard 0
+    eng.step()
+    assert [eng.request_shard(f"hit{i}") for i in range(cap)] == [0] * cap
+    waiting = [rid for rid in (f"hit{cap}", "hit_late") if eng.get_output(rid).status == "waiting"]
+    assert waiting == [f"hit{cap}", "hit_late"], waiting
+    assert eng.get_output("fresh").status != "waiting" and eng.request_shard("fresh") != 0, \
+        "a request waiting for shard 0 held back one that another shard could take"
+    eng.run()
+    assert all(eng.get_output(r).finished for r in [f"hit{i}" for i in range(cap + 1)] + ["fresh", "hit_late"])
+    assert eng.request_shard(f"hit{cap}") == eng.request_shard("hit_late") == 0
 
 
 assert max(SIZES) <= len(jax.devices()), f"needs {max(SIZES)} devices, jax sees {jax.devices()}"
