@@ -158,8 +158,9 @@ class _Request:
     output: list = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    # recorded steps, in order: (first position, _Fetched rows [L, R, W] or None, their
-    # columns [n], greedy next tokens [n]); turned into dicts only when read
+    # recorded steps, in order: (first position, _Fetched rows [L, R, W], the column of
+    # the first position's row (the n rows are consecutive), greedy next tokens [n]);
+    # turned into dicts only when read
     records: list = dataclasses.field(default_factory=list)
     snapshot: dict | None = None
     shard: int | None = None                                     # placed at admission
@@ -173,10 +174,10 @@ class _Request:
     def recorded(self) -> tuple:
         """(selected {position: [L, W] i32}, predicted {position: token}) of the recorded steps."""
         selected, predicted = {}, {}
-        for start, fetched, cols, tokens in self.records:
+        for start, fetched, col0, tokens in self.records:
             rows = fetched.host()
-            for j, (c, t) in enumerate(zip(cols, tokens)):
-                selected[start + j] = rows[:, c]
+            for j, t in enumerate(tokens):
+                selected[start + j] = rows[:, col0 + j]
                 predicted[start + j] = int(t)
         return selected, predicted
 
@@ -665,9 +666,8 @@ class Engine:
     def _record(self, req, start_pos, flat0, n, next_tok, sel):
         if sel is None or not _wants(self.record, req.request_id):
             return
-        fetched, col = sel
-        req.records.append((start_pos, fetched, [col[flat0 + j] for j in range(n)],
-                            np.array(next_tok[flat0:flat0 + n])))
+        fetched, col = sel              # a request's recorded rows are consecutive (_recorded_rows)
+        req.records.append((start_pos, fetched, col[flat0], np.array(next_tok[flat0:flat0 + n])))
 
     def run(self, max_steps: int = 100_000, on_step=None) -> dict:
         """Step until every request finished (or max_steps); returns ``outputs``."""

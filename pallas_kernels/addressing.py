@@ -177,6 +177,15 @@ def index_block_byte_range(s: CacheStrides, block: int) -> tuple[int, int]:
     return start, start + s.index_block_bytes
 
 
+def index_block_of_byte(s: CacheStrides, global_bytes: int):
+    """(indexer block, byte offset in it) holding global byte `global_bytes`, or None
+    when the byte is outside this layer's indexer region (host-side inspection)."""
+    local = global_bytes - s.index_base_bytes
+    if not 0 <= local < s.num_blocks * s.index_block_bytes:
+        return None
+    return divmod(local, s.index_block_bytes)
+
+
 def attn_block_byte_range(attn_base_bytes: int, attn_block_bytes: int, block: int) -> tuple[int, int]:
     """[start, end) global bytes of attention block `block` of a layer's attention region."""
     start = attn_base_bytes + block * attn_block_bytes

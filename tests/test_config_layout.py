@@ -13,6 +13,7 @@ import pytest
 from glm5_jax.config import IndexerConfig, next_pow2
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import random_ape, random_rows
+from pallas_kernels import addressing as addr
 from pallas_kernels import numerics as nm
 from pallas_kernels.strides import CacheStrides
 
@@ -221,7 +222,7 @@ def test_layout_frozen_hashable_and_jit_static():
 
 @pytest.mark.parametrize("num_layers, num_blocks, attn", [(1, 2, 0), (2, 7, 0), (3, 5, 1056), (2, 3, 4)])
 @pytest.mark.parametrize("block_size", [64, 1152, 1024])
-def test_layout_regions_and_padding(num_layers, num_blocks, attn, block_size):
+def test_layout_regions_and_padding(rng, num_layers, num_blocks, attn, block_size):
     cfg = IndexerConfig(block_size=block_size)
     lay = CacheLayout(cfg, num_layers=num_layers, num_blocks=num_blocks, attn_block_bytes=attn)
     ib = cfg.index_block_bytes
@@ -243,6 +244,12 @@ def test_layout_regions_and_padding(num_layers, num_blocks, attn, block_size):
         for b in range(num_blocks):
             assert lay.block_byte_range(l, b) == (lay.index_base_bytes(l) + b * ib,
                                                   lay.index_base_bytes(l) + (b + 1) * ib)
+            # the inverse (diagnosis scripts): every byte of the block maps back to it
+            a, e = lay.block_byte_range(l, b)
+            for byte in (a, a + int(rng.integers(ib)), e - 1):
+                assert addr.index_block_of_byte(s, byte) == (b, byte - a)
+        assert addr.index_block_of_byte(s, lay.index_base_bytes(l) - 1) is None
+        assert addr.index_block_of_byte(s, lay.index_base_bytes(l) + num_blocks * ib) is None
     # the last layer's indexer region ends exactly at used_bytes
     assert lay.index_base_bytes(num_layers - 1) + num_blocks * ib == used
 

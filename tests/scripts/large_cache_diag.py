@@ -66,13 +66,10 @@ def diff_places(x, y):
 
 
 def where(layout, word):
-    byte = word * WORD_BYTES
     for layer in range(layout.num_layers):
-        base = layout.index_base_bytes(layer)
-        size = layout.num_blocks * layout.config.index_block_bytes
-        if base <= byte < base + size:
-            blk, off = divmod(byte - base, layout.config.index_block_bytes)
-            return f"layer {layer} block {blk} byte {off} of the block"
+        hit = addr.index_block_of_byte(layout.strides(layer), word * WORD_BYTES)
+        if hit is not None:
+            return f"layer {layer} block {hit[0]} byte {hit[1]} of the block"
     return "outside every indexer region"
 
 
