@@ -173,6 +173,35 @@ def bench_topk(rows, n, k, reps, trials):
             for name, t in res.items()]
 
 
+def bench_topk_parts(rows, n, k, reps, trials):
+    """Where filter-mode top-k spends its time: the stages cumulatively (floor; + filter;
+    + select; the whole topk_pools, which adds the stream fallback launched over the
+    overflowed rows only, here none), each as a fraction of the whole."""
+    from pallas_kernels import topk as tk
+    from pallas_kernels import topk_filter, topk_floor, topk_select
+    t = tk.Tuning()
+    x = jax.random.normal(jax.random.PRNGKey(7), (rows, n), jnp.float32)
+    lengths = jnp.full((rows,), n, jnp.int32)
+    span, chunk, _, cap = tk.filter_shape(n, k, t)
+
+    def floor(x, l):
+        return topk_floor.key_floor(x, l, k, t.buckets_per_k * k, num_warps=t.row_warps)
+
+    def lists(x, l):
+        return topk_filter.filter_candidates(x, l, floor(x, l), span=span, chunk=chunk, cap=cap,
+                                             num_warps=t.num_warps)
+
+    def select(x, l):
+        return topk_select.select_candidates(*lists(x, l), k, num_warps=t.row_warps)
+
+    fns = {"floor": floor, "+ filter": lambda x, l: lists(x, l)[1], "+ select": select,
+           "+ fallback (all of topk_pools)": lambda x, l: tk.topk_pools(x, l, k, tune=t)}
+    res = {name: time_read(f, (x, lengths), reps, trials) for name, f in fns.items()}
+    whole = res["+ fallback (all of topk_pools)"]
+    return [dict(kind="topk", case=f"parts [{rows}, {n}] k={k}", impl=name, s=sec, vs_base=sec / whole)
+            for name, sec in res.items()]
+
+
 LOGITS_SWEEP = [(1, 8, 4), (2, 4, 4), (4, 2, 4), (8, 1, 4), (4, 2, 8), (8, 1, 8), (8, 2, 8), (16, 1, 8)]
 # (score_chunk, target_programs, buckets_per_k, num_warps); the first GPU sweep
 # (docs/results/2026-11-30_s2_bench_read_sweep_run2.txt) ranked 10 shapes: larger
@@ -285,6 +314,7 @@ def main(argv=None):
             rows += bench_prefill(cfg, c, 1 if not a.quick else reps, min(trials, 3), a.quick)
     if not a.skip_topk:
         rows += bench_topk(*topk_case, reps, trials)
+        rows += bench_topk_parts(*topk_case, reps, trials)
     if a.sweep:
         rows += bench_sweep(cfg, *(decode[0] if a.quick else (64, 131072)), topk_case, reps, trials, a.quick)
 
@@ -303,7 +333,8 @@ def main(argv=None):
         print(f"{r['kind']:<8}{r['case']:<22}{r['impl']:<30}{r['s'] * 1e6:>12.1f}{vs:>8.2f}x{fl}{tf}")
     print("\nvs XLA: XLA time / this time (topk rows: lax.top_k time / this time); "
           "x floor: this time / bandwidth-floor time (1.00 = at the floor); sweep rows: time of the "
-          "case's first variant (one page per step; no top-k pre-filter) / this time.")
+          "case's first variant (one page per step; no top-k pre-filter) / this time; top-k parts rows: "
+          "the stages up to this one as a fraction of the whole top-k (cumulative).")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),

@@ -74,14 +74,20 @@ def bench_prefill(rng, total_tokens, n_requests, reps, impls, reps_latency):
     return rows
 
 
+def staggered_starts(ctx: int, batch: int, next_n: int, kpool: int) -> list:
+    """First decode position of each request: ctx - next_n - (b % kpool)."""
+    return [ctx - next_n - (b % kpool) for b in range(batch)]
+
+
 def bench_decode(rng, batch, next_n, reps, impls, reps_xla):
     cfg = IndexerConfig(num_spec_tokens=max(0, next_n - 1))
     ctx = 4 * 1152 - 8
     layout = CacheLayout(cfg, num_layers=1, num_blocks=batch * 6 + 2)
     sc = Scenario.random(rng, layout, [ctx] * batch)
-    # steady state: the decode batch at positions that complete a pool in 1 of R steps
-    start = ctx - next_n - (int(rng.integers(0, cfg.kpool)))
-    st = sc.decode([start] * batch, [next_n] * batch, next_n)
+    # steady state: the requests' positions are staggered, so at next_n = 1 one request
+    # in R completes a pool in every call (the kernel's time is its slowest program's:
+    # with all requests at one position, a call would complete none or all of them)
+    st = sc.decode(staggered_starts(ctx, batch, next_n, cfg.kpool), [next_n] * batch, next_n)
     args = [jnp.asarray(st[k]) for k in ("key", "gate")]
     meta = [jnp.asarray(st[k]) for k in ("slot_mapping", "tslot", "positions")]
     ape = jnp.asarray(sc.ape)

@@ -3,8 +3,9 @@
 # nvidia-h200-x2), in three timed phases so the call ends inside its 600 s limit:
 #   1. in parallel: the test suite compiled (Pallas + Triton kernels, reference,
 #      serving, CLI: every file but the sharding and notebook ones) on GPU 0 with
-#      pytest-xdist; the scale-out tests on both GPUs; the write benchmark
-#      (Pallas vs Triton vs XLA) on GPU 1;
+#      pytest-xdist; the scale-out tests on both GPUs; on GPU 1 the command in
+#      $P1_GPU1, by default the write benchmark (Pallas vs Triton vs XLA; its
+#      output goes to bench_writes.txt whatever the command);
 #   2. alone: the 1-GPU vs 2-GPU serving throughput (bench_scaleout.py);
 #   3. in parallel: the read-path launch-shape sweep on GPU 0; on GPU 1 the
 #      command in $P3_GPU1, by default the notebooks' code cells
@@ -31,8 +32,9 @@ KERNEL_TESTS=${KERNEL_TESTS:-"tests --ignore=tests/test_sharding.py --ignore=tes
     $KERNEL_TESTS > "$OUT/pytest_kernels.log" 2>&1; echo "rc=$?" > "$OUT/rc_kernels" ) &
 ( timeout "${P1_S:-330}" python3 -m pytest -q -p no:cacheprovider -rfE -k "not 4" tests/test_sharding.py \
     > "$OUT/pytest_sharding.log" 2>&1; echo "rc=$?" > "$OUT/rc_sharding" ) &
-( CUDA_VISIBLE_DEVICES=1 timeout "${P1_S:-330}" python3 benchmarks/bench_writes.py --impls pallas,triton,xla \
-    --json "$OUT/bench_writes.json" > "$OUT/bench_writes.txt" 2>&1 ) &
+( CUDA_VISIBLE_DEVICES=1 timeout "${P1_S:-330}" bash -c \
+    "${P1_GPU1:-python3 benchmarks/bench_writes.py --impls pallas,triton,xla --json $OUT/bench_writes.json}" \
+    > "$OUT/bench_writes.txt" 2>&1 ) &
 wait
 # phase 2
 timeout "${P2_S:-160}" python3 benchmarks/bench_scaleout.py --json "$OUT/bench_scaleout.json" ${SCALEOUT_ARGS:-} \

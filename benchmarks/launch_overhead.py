@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import _empty_kernel, time_chain  # noqa: E402
 import tune_writes as tw  # noqa: E402
+from bench_writes import staggered_starts  # noqa: E402
 from glm5_jax import ops  # noqa: E402
 from pallas_kernels import _backend as B  # noqa: E402
 from pallas_kernels import addressing as addr  # noqa: E402
@@ -71,12 +72,12 @@ def main():
     dl = tw.CacheLayout(cfg, num_layers=1, num_blocks=256 * 6 + 2)
     dctx = 4 * cfg.block_size - 8
     dsc = tw.Scenario.random(rng, dl, [dctx] * 256)
-    st = {k: jnp.asarray(v) for k, v in dsc.decode([dctx - 4] * 256, [1] * 256, 1).items()}
+    st = {k: jnp.asarray(v) for k, v in dsc.decode(staggered_starts(dctx, 256, 1, cfg.kpool), [1] * 256, 1).items()}
     dargs = (st["key"], st["gate"], jnp.asarray(dsc.ape), st["slot_mapping"], st["tslot"], st["positions"])
     add("empty, the decode's 7 operands", empty_with(dargs), lambda: dl.allocate(0), *dargs)
     add("empty, decode operands, 256 programs", empty_with(dargs, 256), lambda: dl.allocate(0), *dargs)
-    add("decode_update B=256 next_n=1", lambda c, *a: ops.decode_update(c, dl, 0, *a, implementation="pallas"),
-        lambda: dl.allocate(0), *dargs)
+    add("decode_update B=256 next_n=1 (1 in 4 complete)", lambda c, *a: ops.decode_update(
+        c, dl, 0, *a, implementation="pallas"), lambda: dl.allocate(0), *dargs)
     base = {r: t for n, r, t in rows if n.startswith("empty, 1 operand")}
     print("\n| call | reps | us per call | x empty launch |\n|---|---|---|---|")
     for n, r, t in rows:

@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_read as br  # noqa: E402
+from bench_writes import staggered_starts  # noqa: E402
 import tune_writes as tw  # noqa: E402
 from glm5_jax import ops  # noqa: E402
 from glm5_jax.config import IndexerConfig  # noqa: E402
@@ -79,11 +80,12 @@ def main(argv=None):
     dl = tw.CacheLayout(cfg, num_layers=1, num_blocks=b * 6 + 2)
     dctx = 4 * cfg.block_size - 8
     dsc = tw.Scenario.random(rng, dl, [dctx] * b)
-    st = {k: jnp.asarray(v) for k, v in dsc.decode([dctx - 4] * b, [1] * b, 1).items()}
     dape = jnp.asarray(dsc.ape)
-    calls.append((f"decode B={b} n=1", lambda c: ops.decode_update(
-        c, dl, 0, st["key"], st["gate"], dape, st["slot_mapping"], st["tslot"], st["positions"],
-        implementation="pallas"), dl))
+    for nn in (1, 4):
+        st = {k: jnp.asarray(v) for k, v in dsc.decode(staggered_starts(dctx, b, nn, cfg.kpool), [nn] * b, nn).items()}
+        calls.append((f"decode B={b} n={nn}", lambda c, st=st: ops.decode_update(
+            c, dl, 0, st["key"], st["gate"], dape, st["slot_mapping"], st["tslot"], st["positions"],
+            implementation="pallas"), dl))
     rl, rcache, table, key, heads = br.read_case(cfg, rb, rctx)
     q8, w = br.queries(key, rb, 1, heads)
     ctx = jnp.full((rb, 1), rctx // cfg.kpool, jnp.int32)

@@ -93,7 +93,7 @@ def main(argv=None):
         ctx = 4 * 1152 - 8
         layout = CacheLayout(cfg, num_layers=1, num_blocks=b * 6 + 2)
         sc = Scenario.random(rng, layout, [ctx] * b)
-        st = sc.decode([ctx - nn - int(rng.integers(0, cfg.kpool))] * b, [nn] * b, nn)
+        st = sc.decode([ctx - nn - (i % cfg.kpool) for i in range(b)], [nn] * b, nn)
         s = layout.strides(0)
         dargs = tuple(jnp.asarray(st[k]) for k in ("key", "gate")) + (jnp.asarray(sc.ape),) + tuple(
             jnp.asarray(st[k]) for k in ("slot_mapping", "tslot", "positions"))

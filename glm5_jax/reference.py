@@ -367,11 +367,17 @@ def use_short_path(positions, topk_tokens: int, short_context):
 
 
 def branch_short(short, fill, sparse):
-    """Run the short-context fill or the sparse path: a Python choice when `short`
-    is known now, a lax.cond on the device otherwise (same output shape)."""
+    """The short-context fill or the sparse path: a Python choice when `short` is
+    known now; otherwise both run and a select on the device picks one (same shape).
+
+    Not a lax.cond: XLA's GPU runtime runs a conditional by copying its predicate to
+    the host and waiting for the device, so a cond inside the serving step stalls the
+    dispatch of all later work until the device catches up (measured by
+    benchmarks/dispatch_sync.py). The fill is cheap, and the sparse path's kernels do
+    work in proportion to each row's context, so running both costs little."""
     if isinstance(short, bool):
         return fill() if short else sparse()
-    return _lax.cond(short, fill, sparse)
+    return jnp.where(short, fill(), sparse())
 
 
 # Prefill scoring materialises [rows, Hp, pools] f32 scores; the XLA path walks

@@ -212,3 +212,15 @@ def cache_traffic(hlo_text: str, layout: CacheLayout) -> dict:
     aliased = bool(alias) and bool(re.search(rf"= u32\[1,{w}\]\S* parameter\({alias.group(1)}\)", entry))
     return dict(cross_device=[ln.strip() for ln in hlo_text.splitlines() if _CROSS_DEVICE.search(ln)],
                 cache_copies=copies, cache_aliased=aliased)
+
+
+def host_waits(hlo_text: str) -> list:
+    """Instructions of a compiled program (``Compiled.as_text()``) at which XLA's GPU
+    runtime stops dispatching until the device catches up: every ``conditional``
+    (its predicate is copied to the host and waited for) and every ``while`` without
+    a known trip count (its condition is, on each iteration). A step free of them
+    returns to Python as soon as its work is queued, so host work can overlap the
+    device. Loops with a static trip count (``fori_loop`` over Python ints) are fine."""
+    return [ln.strip()[:200] for ln in hlo_text.splitlines()
+            if re.search(r"\sconditional\(", ln)
+            or (re.search(r"\swhile\(", ln) and "known_trip_count" not in ln)]

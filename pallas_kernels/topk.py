@@ -32,14 +32,15 @@ contiguous range of candidate ids, and feeds it chunk by chunk, ids ascending:
 Grid: scores: (1, ceil(rows / BN), splits); candidates (merge): (B, ceil(n / BN)).
 Buffer row of padded row p (of B * ceil(n / BN) * BN) in split s: p * splits + s.
 
-``topk_pools`` runs this streaming path in mode "stream" (``Tuning.mode``, the
-default). Mode "filter" runs three lean kernels instead, each in its own file:
+``topk_pools`` runs this streaming path in mode "stream" (``Tuning.mode``).
+Mode "filter" (the default) runs three lean kernels instead, each in its own file:
 ``topk_floor`` (the same key floor as ``bucket_floor``, by a radix k-th search
 in place of an XLA sort), ``topk_filter`` (one pass: each (row, span) program
 writes its keys >= floor into a private list of CAP slots, in id order, and its
 count, > CAP meaning overflow) and ``topk_select`` (one program per row: exact
-k-th key of its lists, survivors, ids by rank). If any list overflowed, a
-``lax.cond`` runs this streaming path (with the same floor) instead.
+k-th key of its lists, survivors, ids by rank). The rows whose lists
+overflowed take this streaming path (with the same floor) instead; it runs on
+every call, over those rows only (no host-side branch, see ``topk_pools``).
 """
 from __future__ import annotations
 
@@ -459,14 +460,14 @@ def _stream_path(scores, lengths, floor, k: int, splits, interpret, tune: Tuning
 
 def _filter_lists(scores, lengths, k: int, interpret, tune: Tuning):
     """Filter mode, first two kernels: (floor [rows] u32, count [rows, splits] i32,
-    keys [rows, splits * CAP] u32, ids [rows, splits * CAP] i32, overflow () bool)."""
+    keys [rows, splits * CAP] u32, ids [rows, splits * CAP] i32, overflowed [rows] bool)."""
     from . import topk_filter, topk_floor
     floor = topk_floor.key_floor(scores, lengths, k, tune.buckets_per_k * k,
                                  interpret=interpret, num_warps=tune.row_warps)
     span, chunk, _, cap = filter_shape(scores.shape[1], k, tune)
     cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, span=span, chunk=chunk,
                                                    cap=cap, interpret=interpret, num_warps=tune.num_warps)
-    return floor, cnt, keys, ids, jnp.any(cnt > cap)
+    return floor, cnt, keys, ids, jnp.any(cnt > cap, axis=1)
 
 
 def _check_args(scores, lengths):
@@ -478,7 +479,7 @@ def filter_overflowed(scores, lengths, k: int, *, interpret=None, tune: Tuning =
     """() bool: whether filter mode would fall back to the stream path for these inputs
     (some row's candidates >= floor overflow a (row, split) list)."""
     scores, lengths = _check_args(scores, lengths)
-    return _filter_lists(scores, lengths, k, interpret, tune)[4]
+    return jnp.any(_filter_lists(scores, lengths, k, interpret, tune)[4])
 
 
 @functools.partial(jax.jit, static_argnames=("k", "splits", "interpret", "tune"))
@@ -496,14 +497,17 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
     scores, lengths = _check_args(scores, lengths)
     if tune.mode == "filter":
         from . import topk_select
-        floor, cnt, keys, ids, overflow = _filter_lists(scores, lengths, k, interpret, tune)
-        # Exact either way: without overflow every valid key >= floor is in a list (and
-        # at least k valid keys are >= floor, or the floor is 0 and the lists hold every
-        # valid key); with overflow, the stream path (same floor) selects instead.
-        return lax.cond(
-            overflow,
-            lambda: _stream_path(scores, lengths, floor, k, splits, interpret, tune),
-            lambda: topk_select.select_candidates(cnt, keys, ids, k, interpret=interpret,
-                                                  num_warps=tune.row_warps))
+        floor, cnt, keys, ids, overflowed = _filter_lists(scores, lengths, k, interpret, tune)
+        # Exact either way: a row whose lists did not overflow has every valid key >= floor
+        # in them (and at least k valid keys are >= floor, or the floor is 0 and the lists
+        # hold every valid key); a row whose lists overflowed takes the stream path (same
+        # floor), which is exact for any input. That path is launched on every call with
+        # the other rows' lengths set to 0, so their programs return at once: choosing it
+        # with a lax.cond instead would make XLA's GPU runtime copy the predicate to the
+        # host and wait for the device, stalling the dispatch of all later work.
+        picked = topk_select.select_candidates(cnt, keys, ids, k, interpret=interpret,
+                                               num_warps=tune.row_warps)
+        redo = _stream_path(scores, jnp.where(overflowed, lengths, 0), floor, k, splits, interpret, tune)
+        return jnp.where(overflowed[:, None], redo, picked)
     floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
     return _stream_path(scores, lengths, floor, k, splits, interpret, tune)

@@ -82,3 +82,17 @@ def test_compress_many_pools_matches_golden(rng):
     c = ops.compress_prefill(layout.allocate(0x5A), layout, 0, pre["key"], pre["gate"], jnp.asarray(sc.ape),
                              pre["slot_mapping"], implementation="pallas")
     assert_pools_golden(c, layout, sc, "pallas compress")
+
+
+def test_read_path_never_waits_on_the_host(rng):
+    """select_tokens compiled for the GPU (auto short-context choice on traced
+    positions, top-k filter mode with its per-row fallback) has no instruction at
+    which XLA's GPU runtime waits for the device (a conditional, a while loop
+    without a known trip count): the serving step's dispatch is not stalled."""
+    from glm5_jax import sharding
+    from pallas_kernels.topk import topk_pools
+    scores = jnp.asarray(rng.standard_normal((8, 4096)), jnp.float32)
+    lengths = jnp.asarray(rng.integers(0, 4097, 8), jnp.int32)
+    text = jax.jit(topk_pools, static_argnames="k").lower(scores, lengths, k=512).compile().as_text()
+    assert "triton" in text                                # the kernels are compiled, not interpreted
+    assert sharding.host_waits(text) == []

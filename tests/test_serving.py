@@ -439,12 +439,17 @@ def test_block_pool_per_shard_state():
 
 def test_step_updates_the_cache_in_place(rng):
     """The one-device step (the N = 1 case of the sharded step) keeps the donated cache
-    in place: no copy of it in the compiled program, the same device buffer after a step."""
+    in place: no copy of it in the compiled program, the same device buffer after a step;
+    and it has no instruction that makes the runtime wait for the device."""
     from glm5_jax import sharding
     e = make_engine(random_model(rng))
     e.add_request("r", tokens(rng, int(rng.integers(20, 120))), 3)
     ptr = e.cache.addressable_shards[0].data.unsafe_buffer_pointer()
     e.step()
     assert e.cache.addressable_shards[0].data.unsafe_buffer_pointer() == ptr
-    t = sharding.cache_traffic(e.lower_step(next(iter(e.shapes_seen))).compile().as_text(), e.layout)
+    text = e.lower_step(next(iter(e.shapes_seen))).compile().as_text()
+    t = sharding.cache_traffic(text, e.layout)
     assert t == dict(cross_device=[], cache_copies=[], cache_aliased=True), t
+    # nothing in the step makes the runtime wait for the device before it returns
+    # (a lax.cond did: the short-context choice and the top-k fallback)
+    assert sharding.host_waits(text) == []
