@@ -33,8 +33,14 @@ def work(x):                                          # x [N, N] f32 -> same, ~L
 CASES = {
     "plain": lambda x: work(x),
     "where (both branches, select)": lambda x: jnp.where(jnp.sum(x) > 0, work(x), -x),
-    "lax.cond after the work": lambda x: lax.cond(jnp.sum(work(x)) > 0, lambda y: y + 1, lambda y: y - 1, x),
+    "lax.cond after the work, cheap branches": lambda x: lax.cond(jnp.sum(work(x)) > 0, lambda y: y + 1,
+                                                                 lambda y: y - 1, x),
+    # a branch XLA cannot turn into a select: the predicate needs the first half's work
+    "lax.cond between two halves of the work": lambda x: lax.cond(
+        jnp.sum(work(x)) > 0, work, lambda y: -y, x * 0.5),
     "fori_loop, static trip count": lambda x: lax.fori_loop(0, LINKS, lambda i, y: jnp.tanh(y @ y * (1.0 / N)), x),
+    "fori_loop, static trip count, unroll 8": lambda x: lax.fori_loop(
+        0, LINKS, lambda i, y: jnp.tanh(y @ y * (1.0 / N)), x, unroll=8),
     "while_loop, data-dependent": lambda x: lax.while_loop(
         lambda c: c[0] < LINKS, lambda c: (c[0] + jnp.int32(jnp.sum(c[1]) > -1e30), jnp.tanh(c[1] @ c[1] * (1.0 / N))),
         (jnp.int32(0), x))[1],

@@ -26,20 +26,36 @@ any batch shape, fusion context or backend.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import numerics as nm
 
+# Steps per fori_loop iteration of an ordered chain. On the GPU the runtime launches
+# a loop body's kernels from the host once per iteration (several us each), so a
+# serving step of ~2,000 short iterations was bound by launching, not computing
+# (session 4: the step's dispatch took as long as its device work); 64 steps per
+# iteration cut the launches 8x. On the CPU the compile time grows with the body
+# (a serving step: 17 s at 8, 36 s at 64), and there is no launch cost to save.
 UNROLL = 8
+UNROLL_GPU = 64
 
 
-def _ordered_chain(n: int, term, init, *, unroll: int = UNROLL):
+def default_unroll() -> int:
+    """UNROLL_GPU when tracing for the GPU backend, else UNROLL."""
+    return UNROLL_GPU if jax.default_backend() == "gpu" else UNROLL
+
+
+def _ordered_chain(n: int, term, init, *, unroll: int | None = None):
     """acc = init; for j in 0..n-1: acc = step(acc, j), in order.
 
     ``term(acc, j)`` returns the new accumulator (j a traced int32). The loop is a
-    fori_loop over groups of ``unroll`` steps (python-unrolled inside).
+    fori_loop over groups of ``unroll`` (default: ``default_unroll()``) steps,
+    python-unrolled inside. The unroll changes no bit (the same operations in the
+    same order; tests/test_indexer.py checks it).
     """
+    unroll = default_unroll() if unroll is None else unroll
     groups, rest = divmod(n, unroll)
 
     def body(g, acc):

@@ -370,11 +370,11 @@ def branch_short(short, fill, sparse):
     """The short-context fill or the sparse path: a Python choice when `short` is
     known now; otherwise both run and a select on the device picks one (same shape).
 
-    Not a lax.cond: XLA's GPU runtime runs a conditional by copying its predicate to
-    the host and waiting for the device, so a cond inside the serving step stalls the
-    dispatch of all later work until the device catches up (measured by
-    benchmarks/dispatch_sync.py). The fill is cheap, and the sparse path's kernels do
-    work in proportion to each row's context, so running both costs little."""
+    Not a lax.cond: XLA's GPU runtime has run a conditional by copying its predicate
+    to the host and waiting for the device, which inside the serving step would stall
+    the dispatch of all later work (benchmarks/dispatch_sync.py measures whether the
+    installed version does). The fill is cheap, and the sparse path's kernels do work
+    in proportion to each row's context, so running both costs little."""
     if isinstance(short, bool):
         return fill() if short else sparse()
     return jnp.where(short, fill(), sparse())

@@ -216,11 +216,13 @@ def cache_traffic(hlo_text: str, layout: CacheLayout) -> dict:
 
 def host_waits(hlo_text: str) -> list:
     """Instructions of a compiled program (``Compiled.as_text()``) at which XLA's GPU
-    runtime stops dispatching until the device catches up: every ``conditional``
-    (its predicate is copied to the host and waited for) and every ``while`` without
-    a known trip count (its condition is, on each iteration). A step free of them
-    returns to Python as soon as its work is queued, so host work can overlap the
-    device. Loops with a static trip count (``fori_loop`` over Python ints) are fine."""
+    runtime may stop dispatching until the device catches up: every ``while``
+    without a known trip count (its condition is copied to the host on each
+    iteration; benchmarks/dispatch_sync.py measured it on the H200) and every
+    ``conditional`` (its predicate has been handled the same way). A step free of
+    them can return to Python before its work is done. Loops with a static trip
+    count (``fori_loop`` over Python ints) do not wait, but the host launches their
+    body once per iteration (see ``glm5_jax.invariant.UNROLL_GPU``)."""
     return [ln.strip()[:200] for ln in hlo_text.splitlines()
             if re.search(r"\sconditional\(", ln)
             or (re.search(r"\swhile\(", ln) and "known_trip_count" not in ln)]

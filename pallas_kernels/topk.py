@@ -212,15 +212,22 @@ def stream(g: Geometry, kbuf, ibuf, brow, n_chunks, produce, interpret: bool, in
     return lax.fori_loop(0, n_chunks + 1, body, State.init(g.bn) if init is None else init)
 
 
-def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, interpret: bool):
-    """out_ref[orow, :k] = the survivors' ids by (key desc, id asc), then -1."""
+def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, interpret: bool,
+                part=0, parts: int = 1):
+    """out_ref[orow, :k] = the survivors' ids by (key desc, id asc), then -1.
+
+    Each survivor's rank is counted (how many survivors beat it), a tile of TI
+    survivors at a time; only the tiles that hold survivors run (none for an empty
+    row). ``parts`` programs may share a row: program ``part`` (traced) ranks tiles
+    part, part + parts, ...; part 0 writes the -1 padding."""
     B.barrier(interpret)
     kp, ti = g.kp, g.ti
     cj = _iota((g.bn, kp), 1)
     inj = cj < cnt[:, None]
     kj = B.gather(kbuf, brow[:, None] + 0 * cj, cj, mask=inj, other=0)              # [BN, KP]
 
-    def tile(t, carry):
+    def tile(i, carry):
+        t = part + i * parts
         ci = t * ti + _iota((g.bn, ti), 1)                                           # [BN, TI]
         ini = ci < cnt[:, None]
         rows_i = brow[:, None] + 0 * ci
@@ -232,8 +239,9 @@ def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, inter
         B.scatter(out_ref, orow[:, None] + 0 * rank, rank, ii, ini & row_ok[:, None])
         return carry
 
-    lax.fori_loop(0, kp // ti, tile, 0)
-    empty = (cj >= cnt[:, None]) & (cj < g.k) & row_ok[:, None]
+    n_tiles = (jnp.minimum(jnp.max(cnt), kp) + ti - 1) // ti                         # tiles with survivors
+    lax.fori_loop(0, (n_tiles - part + parts - 1) // parts, tile, 0)
+    empty = (cj >= cnt[:, None]) & (cj < g.k) & row_ok[:, None] & (part == 0)
     B.scatter(out_ref, orow[:, None] + 0 * cj, cj, jnp.full((g.bn, kp), -1, jnp.int32), empty)
 
 
@@ -502,9 +510,8 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
         # in them (and at least k valid keys are >= floor, or the floor is 0 and the lists
         # hold every valid key); a row whose lists overflowed takes the stream path (same
         # floor), which is exact for any input. That path is launched on every call with
-        # the other rows' lengths set to 0, so their programs return at once: choosing it
-        # with a lax.cond instead would make XLA's GPU runtime copy the predicate to the
-        # host and wait for the device, stalling the dispatch of all later work.
+        # the other rows' lengths set to 0, so their programs return at once (no lax.cond:
+        # see reference.branch_short on conditionals in a GPU program).
         picked = topk_select.select_candidates(cnt, keys, ids, k, interpret=interpret,
                                                num_warps=tune.row_warps)
         redo = _stream_path(scores, jnp.where(overflowed, lengths, 0), floor, k, splits, interpret, tune)
