@@ -79,6 +79,7 @@ def main(argv=None) -> int:
         row = dict(devices=n, requests=sum(s["requests"] for s in rep["shards"]),
                    processed_tokens=rep["processed_tokens"], steps=rep["steps"],
                    compilations=rep["compilations"], wall_s=rep["wall_s"], compile_step_s=rep["compile_step_s"],
+                   probe_setup_s=rep["probe_setup_s"],
                    tokens_per_s=rep["tokens_per_s"], per_device_tokens_per_s=[s["tokens_per_s"] for s in rep["shards"]],
                    evictions=rep["evictions"], per_device_evictions=[s["evictions"] for s in rep["shards"]],
                    probe_ok=rep["ok"], per_device_probe_ok=[s["ok"] for s in rep["shards"]],
@@ -88,14 +89,15 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"  {n} device(s): {row['processed_tokens']:,} tokens in {row['steps']} steps, "
               f"{row['tokens_per_s']:,.0f} tokens/s (per device {[round(x) for x in row['per_device_tokens_per_s']]}), "
-              f"compile {row['compile_step_s']:.1f} s, probe {'PASS' if row['probe_ok'] else 'FAIL'}", flush=True)
+              f"compile {row['compile_step_s']:.1f} s, probe setup {row['probe_setup_s']:.2f} s (both not timed), "
+              f"probe {'PASS' if row['probe_ok'] else 'FAIL'}", flush=True)
 
     print()
     print(f"{'devices':>7} {'requests':>8} {'tokens':>10} {'steps':>6} {'run s':>7} {'tokens/s':>10} "
           f"{'per device':>22} {'speed-up':>8} {'eff.':>5} {'evict':>6} {'probe':>5}")
     for r in rows:
         per = "/".join(f"{x:,.0f}" for x in r["per_device_tokens_per_s"])
-        run_s = r["wall_s"] - r["compile_step_s"]
+        run_s = r["wall_s"] - r["compile_step_s"] - r["probe_setup_s"]
         print(f"{r['devices']:>7} {r['requests']:>8} {r['processed_tokens']:>10,} {r['steps']:>6} {run_s:>7.1f} "
               f"{r['tokens_per_s']:>10,.0f} {per:>22} {r['speedup']:>7.2f}x {r['efficiency']:>5.0%} "
               f"{r['evictions']:>6} {'PASS' if r['probe_ok'] else 'FAIL':>5}")

@@ -7,7 +7,8 @@
 #      $P1_GPU1, by default the write benchmark (Pallas vs Triton vs XLA; its
 #      output goes to bench_writes.txt whatever the command);
 #   2. alone: the 1-GPU vs 2-GPU serving throughput (bench_scaleout.py);
-#   3. in parallel: the read-path launch-shape sweep on GPU 0; on GPU 1 the
+#   3. in parallel: the read benchmark on GPU 0 (decode B=64 x 128k, top-k, the
+#      launch-shape sweep; $READ_ARGS overrides those arguments); on GPU 1 the
 #      command in $P3_GPU1, by default the notebooks' code cells
 #      (tests/scripts/run_notebook_cells.py: the machine has no Jupyter kernel for
 #      tests/test_notebooks.py).
@@ -41,8 +42,8 @@ timeout "${P2_S:-160}" python3 benchmarks/bench_scaleout.py --json "$OUT/bench_s
   > "$OUT/bench_scaleout.txt" 2>&1
 echo "bench_scaleout rc=$?" >> "$OUT/bench_scaleout.txt"
 # phase 3
-( CUDA_VISIBLE_DEVICES=0 timeout "${P3_S:-100}" python3 benchmarks/bench_read.py --skip-prefill --batches 64 \
-    --contexts 131072 --sweep --json "$OUT/bench_read.json" > "$OUT/bench_read.txt" 2>&1 ) &
+( CUDA_VISIBLE_DEVICES=0 timeout "${P3_S:-100}" python3 benchmarks/bench_read.py ${READ_ARGS:---skip-prefill --batches 64 \
+    --contexts 131072 --sweep} --json "$OUT/bench_read.json" > "$OUT/bench_read.txt" 2>&1 ) &
 ( CUDA_VISIBLE_DEVICES=1 timeout "${P3_S:-100}" bash -c "${P3_GPU1:-python3 tests/scripts/run_notebook_cells.py}" \
     > "$OUT/gpu1_phase3.txt" 2>&1; echo "rc=$?" >> "$OUT/gpu1_phase3.txt" ) &
 wait
@@ -50,3 +51,6 @@ wait
 for f in pytest_kernels pytest_sharding; do echo "== $f: $(cat "$OUT/rc_${f#pytest_}")"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$f.log" | tail -12; done
 for f in bench_writes bench_scaleout bench_read gpu1_phase3; do echo "== $f"; tail -30 "$OUT/$f.txt"; done
 grep -q "rc=0" "$OUT/rc_kernels" && grep -q "rc=0" "$OUT/rc_sharding" && echo "GPU SESSION: passed" || echo "GPU SESSION: failed"
+# the device tool returns at most 8 files: every log also goes into one archive
+# whose name sorts first
+tar czf "$OUT/a_session_logs.tgz" -C "$OUT" --exclude=a_session_logs.tgz . 2>/dev/null || true

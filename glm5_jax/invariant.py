@@ -26,36 +26,29 @@ any batch shape, fusion context or backend.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import numerics as nm
 
-# Steps per fori_loop iteration of an ordered chain. On the GPU the runtime launches
-# a loop body's kernels from the host once per iteration (several us each), so a
-# serving step of ~2,000 short iterations was bound by launching, not computing
-# (session 4: the step's dispatch took as long as its device work); 64 steps per
-# iteration cut the launches 8x. On the CPU the compile time grows with the body
-# (a serving step: 17 s at 8, 36 s at 64), and there is no launch cost to save.
+# Steps per fori_loop iteration of an ordered chain (python-unrolled inside). Measured
+# on the H200 (session 4, bench_scaleout): the host launches a loop body once per
+# iteration, so with 8 a serving step's dispatch took about as long as its device
+# work (~25 ms of ~27); 64 cut the dispatch to 4.6 ms but the device part grew to
+# ~52 ms (the long unrolled bodies run slower) and throughput fell from 11.1k to
+# 6.6k tokens/s. 8 stays; the unroll changes no bit either way.
 UNROLL = 8
-UNROLL_GPU = 64
-
-
-def default_unroll() -> int:
-    """UNROLL_GPU when tracing for the GPU backend, else UNROLL."""
-    return UNROLL_GPU if jax.default_backend() == "gpu" else UNROLL
 
 
 def _ordered_chain(n: int, term, init, *, unroll: int | None = None):
     """acc = init; for j in 0..n-1: acc = step(acc, j), in order.
 
     ``term(acc, j)`` returns the new accumulator (j a traced int32). The loop is a
-    fori_loop over groups of ``unroll`` (default: ``default_unroll()``) steps,
-    python-unrolled inside. The unroll changes no bit (the same operations in the
+    fori_loop over groups of ``unroll`` (default: ``UNROLL``) steps, python-unrolled
+    inside. The unroll changes no bit (the same operations in the
     same order; tests/test_indexer.py checks it).
     """
-    unroll = default_unroll() if unroll is None else unroll
+    unroll = UNROLL if unroll is None else unroll
     groups, rest = divmod(n, unroll)
 
     def body(g, acc):

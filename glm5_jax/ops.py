@@ -465,8 +465,7 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     row). Short-context path (spec 5.5): when every row's context p + 1 is <=
     topk_tokens, scoring is skipped and row p holds 0, 1, ..., p, then -1 (the same
     token set). ``short_context`` forces (True/False) or auto-detects (None; on
-    traced positions both paths run and a select on the device picks one: no
-    host-side branch inside a jitted step, see ``reference.branch_short``).
+    traced positions the choice is a lax.cond on the device).
 
     implementation="pallas": ``path="unfused"`` (the default) runs paged_logits
     then the top-k kernel on bounded chunks of query rows; ``path="fused"`` runs

@@ -367,17 +367,13 @@ def use_short_path(positions, topk_tokens: int, short_context):
 
 
 def branch_short(short, fill, sparse):
-    """The short-context fill or the sparse path: a Python choice when `short` is
-    known now; otherwise both run and a select on the device picks one (same shape).
-
-    Not a lax.cond: XLA's GPU runtime has run a conditional by copying its predicate
-    to the host and waiting for the device, which inside the serving step would stall
-    the dispatch of all later work (benchmarks/dispatch_sync.py measures whether the
-    installed version does). The fill is cheap, and the sparse path's kernels do work
-    in proportion to each row's context, so running both costs little."""
+    """Run the short-context fill or the sparse path: a Python choice when `short`
+    is known now, a lax.cond on the device otherwise (same output shape). On the
+    H200 with jax 0.11.2 a conditional does not make the call wait for the device
+    (benchmarks/dispatch_sync.py, session 4)."""
     if isinstance(short, bool):
         return fill() if short else sparse()
-    return jnp.where(short, fill(), sparse())
+    return _lax.cond(short, fill, sparse)
 
 
 # Prefill scoring materialises [rows, Hp, pools] f32 scores; the XLA path walks

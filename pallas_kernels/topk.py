@@ -38,9 +38,8 @@ Mode "filter" (the default) runs three lean kernels instead, each in its own fil
 in place of an XLA sort), ``topk_filter`` (one pass: each (row, span) program
 writes its keys >= floor into a private list of CAP slots, in id order, and its
 count, > CAP meaning overflow) and ``topk_select`` (one program per row: exact
-k-th key of its lists, survivors, ids by rank). The rows whose lists
-overflowed take this streaming path (with the same floor) instead; it runs on
-every call, over those rows only (no host-side branch, see ``topk_pools``).
+k-th key of its lists, survivors, ids by rank). When lists overflowed, a
+``lax.cond`` runs this streaming path (with the same floor) for those rows only.
 """
 from __future__ import annotations
 
@@ -509,12 +508,15 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
         # Exact either way: a row whose lists did not overflow has every valid key >= floor
         # in them (and at least k valid keys are >= floor, or the floor is 0 and the lists
         # hold every valid key); a row whose lists overflowed takes the stream path (same
-        # floor), which is exact for any input. That path is launched on every call with
-        # the other rows' lengths set to 0, so their programs return at once (no lax.cond:
-        # see reference.branch_short on conditionals in a GPU program).
+        # floor), which is exact for any input, launched only when some row overflowed and
+        # then with the other rows' lengths set to 0 (their programs return at once).
         picked = topk_select.select_candidates(cnt, keys, ids, k, interpret=interpret,
                                                num_warps=tune.row_warps)
-        redo = _stream_path(scores, jnp.where(overflowed, lengths, 0), floor, k, splits, interpret, tune)
-        return jnp.where(overflowed[:, None], redo, picked)
+
+        def redo(picked):
+            again = _stream_path(scores, jnp.where(overflowed, lengths, 0), floor, k, splits, interpret, tune)
+            return jnp.where(overflowed[:, None], again, picked)
+
+        return lax.cond(jnp.any(overflowed), redo, lambda p: p, picked)
     floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
     return _stream_path(scores, lengths, floor, k, splits, interpret, tune)

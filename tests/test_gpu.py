@@ -85,10 +85,9 @@ def test_compress_many_pools_matches_golden(rng):
 
 
 def test_read_path_never_waits_on_the_host(rng):
-    """select_tokens compiled for the GPU (auto short-context choice on traced
-    positions, top-k filter mode with its per-row fallback) has no instruction at
-    which XLA's GPU runtime waits for the device (a conditional, a while loop
-    without a known trip count): the serving step's dispatch is not stalled."""
+    """topk_pools compiled for the GPU (filter mode, its fallback under a lax.cond)
+    has no loop at which XLA's GPU runtime waits for the device (a while loop
+    without a known trip count): the serving step's dispatch is not held."""
     from glm5_jax import sharding
     from pallas_kernels.topk import topk_pools
     scores = jnp.asarray(rng.standard_normal((8, 4096)), jnp.float32)

@@ -335,25 +335,19 @@ def test_topk_pools_filter_mode_is_exact(rng, case, tune):
     np.testing.assert_array_equal(got, np_topk(x, lengths, FILTER_K))
 
 
-def test_topk_select_split_over_programs(rng):
-    """The select kernel splits a row's ranking over several programs (4 rank tiles
-    at k = 256): every split, and the default one, writes the oracle's ids; part 0
-    alone writes the -1 padding (row 2 has fewer valid keys than k)."""
+def test_topk_emit_ranks_only_tiles_with_survivors(rng):
+    """At k = 256 the rank emit works in 4 tiles of 64 survivors and runs only the
+    tiles that hold some: rows with 256, 100, 64, 1 and 0 valid keys (the stream
+    path's merge gets empty rows too) all match the oracle, -1 padded."""
     from pallas_kernels import topk as tk
-    from pallas_kernels import topk_select
-    rows, n, k = 3, 4096, 256
+    rows, n, k = 5, 4096, 256
     x = rng.standard_normal((rows, n)).astype(np.float32)
     x[1] = rng.integers(0, 300, n)                                      # ties at the k-th key
-    lengths = np.array([n, n - 1000, 100], np.int32)
-    t = tk.Tuning()
-    assert topk_select.select_parts(rows, k) == 4
-    _, cnt, keys, ids, over = tk._filter_lists(jnp.asarray(x), jnp.asarray(lengths), k, None, t)
-    assert not np.asarray(over).any()
+    lengths = np.array([n, 100, 64, 1, 0], np.int32)
     want = np_topk(x, lengths, k)
-    for parts in (1, 3, 4):
-        got = np.asarray(topk_select.select_candidates(cnt, keys, ids, k, parts=parts))
-        np.testing.assert_array_equal(got, want, err_msg=f"parts={parts}")
-    np.testing.assert_array_equal(np.asarray(tk.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k)), want)
+    for t in (tk.Tuning(), tk.Tuning(mode="stream")):
+        got = np.asarray(tk.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k, tune=t))
+        np.testing.assert_array_equal(got, want, err_msg=t.mode)
 
 
 @pytest.mark.parametrize("k, n", [(24, 2000), (16, 1024), (16, 100)], ids=["M=96", "M=64", "no-floor"])

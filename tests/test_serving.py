@@ -450,6 +450,5 @@ def test_step_updates_the_cache_in_place(rng):
     text = e.lower_step(next(iter(e.shapes_seen))).compile().as_text()
     t = sharding.cache_traffic(text, e.layout)
     assert t == dict(cross_device=[], cache_copies=[], cache_aliased=True), t
-    # nothing in the step makes the runtime wait for the device before it returns
-    # (a lax.cond did: the short-context choice and the top-k fallback)
+    # no loop in the step makes the runtime wait for the device before it returns
     assert sharding.host_waits(text) == []
