@@ -75,14 +75,7 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, _cache_in,
 
         return carry
 
-    if n <= UNROLL_TOKENS:           # a straight line: the compiler may start the next token's loads early
-        for t in range(n):
-            token(t, 0)
-    else:
-        lax.fori_loop(0, n, token, 0)
-
-
-UNROLL_TOKENS = 8          # token loops this short are unrolled (next_n is small: 1 + speculative tokens)
+    lax.fori_loop(0, n, token, 0)
 
 
 NUM_WARPS = 4              # H200: 2x faster than 1 warp at B=256, next_n 1 (tune_writes.py)
