@@ -12,6 +12,8 @@
 #      command in $P3_GPU1, by default the notebooks' code cells
 #      (tests/scripts/run_notebook_cells.py: the machine has no Jupyter kernel for
 #      tests/test_notebooks.py).
+# The suite runs with -v so that a log cut by its time limit still names every
+# result (with -q, xdist names failures only in the final summary).
 # Logs under $OUT; the last line says GPU SESSION: passed / failed (tests only:
 # benchmarks that time out are reported, not failed).
 #   device tool: bash benchmarks/gpu_session.sh   (carry .vectors and .whl)
@@ -29,7 +31,7 @@ python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" | 
 KERNEL_TESTS=${KERNEL_TESTS:-"tests --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py"}
 
 # phase 1
-( CUDA_VISIBLE_DEVICES=0 timeout "${P1_S:-330}" python3 -m pytest -q -p no:cacheprovider -n "${XDIST:-12}" -rfE --durations=15 \
+( CUDA_VISIBLE_DEVICES=0 timeout "${P1_S:-330}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE --durations=15 \
     $KERNEL_TESTS > "$OUT/pytest_kernels.log" 2>&1; echo "rc=$?" > "$OUT/rc_kernels" ) &
 ( timeout "${P1_S:-330}" python3 -m pytest -q -p no:cacheprovider -rfE -k "not 4" tests/test_sharding.py \
     > "$OUT/pytest_sharding.log" 2>&1; echo "rc=$?" > "$OUT/rc_sharding" ) &
