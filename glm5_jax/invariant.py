@@ -38,6 +38,12 @@ from pallas_kernels import numerics as nm
 # ~52 ms (the long unrolled bodies run slower) and throughput fell from 11.1k to
 # 6.6k tokens/s. 8 stays; the unroll changes no bit either way.
 UNROLL = 8
+# Who runs linear / linear_f32: "xla" (the fori_loop chain above) or "pallas" (one
+# kernel per projection, pallas_kernels/ordered_linear.py: the same operations in
+# the same order, so the same bits, with one launch instead of K / UNROLL loop
+# iterations). "pallas" is tested bit for bit in interpret mode on the CPU; it has
+# not run on a GPU yet, so "xla" stays the default until it is measured there.
+CONTRACTIONS = "xla"
 
 
 def _ordered_chain(n: int, term, init, *, unroll: int | None = None):
@@ -73,6 +79,9 @@ def linear(x, w_t):
     if w_t.shape[0] != k:
         raise ValueError(f"linear: x [..., {k}] does not match weight [{w_t.shape[0]}, ...]")
     lead = x.shape[:-1]
+    if CONTRACTIONS == "pallas":
+        from pallas_kernels.ordered_linear import ordered_linear
+        return ordered_linear(x.reshape(-1, k), w_t, mode="bf16").reshape(lead + (w_t.shape[1],))
     x2 = x.reshape(-1, k).astype(jnp.float32)
     wf = w_t.astype(jnp.float32)
 
@@ -103,6 +112,9 @@ def linear_f32(x, w_t):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     wf = w_t.astype(jnp.float32)
+    if CONTRACTIONS == "pallas":
+        from pallas_kernels.ordered_linear import ordered_linear
+        return ordered_linear(x2, wf, mode="f32").reshape(lead + (w_t.shape[1],))
 
     def step(acc, j):
         xj = lax.dynamic_index_in_dim(x2, j, axis=1, keepdims=True)

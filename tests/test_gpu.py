@@ -95,3 +95,18 @@ def test_read_path_never_waits_on_the_host(rng):
     text = jax.jit(topk_pools, static_argnames="k").lower(scores, lengths, k=512).compile().as_text()
     assert "triton" in text                                # the kernels are compiled, not interpreted
     assert sharding.host_waits(text) == []
+
+
+@pytest.mark.parametrize("mode, n", [("bf16", 640), ("f32", 32)])
+def test_ordered_linear_compiled_equals_the_chain(rng, mode, n):
+    """The projection kernel compiled for the GPU gives the XLA chain's bits at the
+    serving step's sizes (2,064 tokens, K = 512)."""
+    from glm5_jax import invariant as inv
+    from pallas_kernels.ordered_linear import ordered_linear
+    dt = jnp.bfloat16 if mode == "bf16" else jnp.float32
+    x = jnp.asarray(rng.standard_normal((2064, 512)) * (1.0 if mode == "bf16" else 1.37), dt)
+    w = jnp.asarray(rng.standard_normal((512, n)) * 0.05, dt)
+    chain = inv.linear if mode == "bf16" else inv.linear_f32
+    want = np.asarray(jax.jit(chain)(x, w)).view(np.uint32)
+    got = np.asarray(ordered_linear(x, w, mode=mode)).view(np.uint32)
+    assert (got != want).sum() == 0, f"{(got != want).sum()} of {want.size} words differ"

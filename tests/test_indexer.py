@@ -159,6 +159,41 @@ def test_ordered_chain_unroll_changes_no_bit(rng, monkeypatch, op):
         np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
 
 
+@pytest.mark.parametrize("mode", ["bf16", "f32"])
+def test_ordered_linear_kernel_equals_the_chain(rng, monkeypatch, mode):
+    """The one-launch projection kernel (pallas_kernels/ordered_linear.py) gives the
+    XLA chain's bits, for any tile shape, and stays batch invariant; through
+    ``invariant.CONTRACTIONS = "pallas"`` linear / linear_f32 use it."""
+    from pallas_kernels.ordered_linear import ordered_linear
+    x, w = bf16(rng, (37, 96)), bf16(rng, (96, 70), 0.1)
+    chain = inv.linear if mode == "bf16" else inv.linear_f32
+    if mode == "f32":                                      # operands with full f32 mantissas
+        x = (x.astype(np.float32) * np.float32(1.37)).astype(np.float32)
+        w = (w.astype(np.float32) * np.float32(0.77)).astype(np.float32)
+    xj, wj = jnp.asarray(x), jnp.asarray(w)
+    want = np.asarray(chain(xj, wj)).view(np.uint32)
+    for tile in ((32, 64), (16, 32), (64, 128)):
+        got = np.asarray(ordered_linear(xj, wj, mode=mode, tile=tile)).view(np.uint32)
+        np.testing.assert_array_equal(got, want, err_msg=f"tile {tile}")
+    for m in (1, 5):                                       # a row's bits do not depend on the others
+        np.testing.assert_array_equal(np.asarray(ordered_linear(xj[:m], wj, mode=mode)).view(np.uint32), want[:m])
+    monkeypatch.setattr(inv, "CONTRACTIONS", "pallas")
+    np.testing.assert_array_equal(np.asarray(chain(xj.reshape(37, 1, 96), wj)).view(np.uint32).reshape(37, 70),
+                                  want)
+
+
+def test_ordered_linear_kernel_rejects_bad_input():
+    from pallas_kernels.ordered_linear import ordered_linear
+    x = jnp.zeros((4, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs bfloat16 operands"):
+        ordered_linear(x.astype(jnp.float32), jnp.zeros((8, 3), jnp.float32), mode="bf16")
+    with pytest.raises(ValueError, match="does not match"):
+        ordered_linear(x, jnp.zeros((7, 3), jnp.bfloat16), mode="bf16")
+    with pytest.raises(ValueError, match="mode must be"):
+        ordered_linear(x, jnp.zeros((8, 3), jnp.bfloat16), mode="f16")
+    assert ordered_linear(x[:0], jnp.zeros((8, 3), jnp.bfloat16), mode="bf16").shape == (0, 3)
+
+
 def test_layer_prefill_in_non_aligned_chunks_matches_golden_pools(rng):
     """The layer's own projections, written in two chunks split mid-pool, give the
     paging-free golden pools (Appendix C) and tail ring, byte for byte."""

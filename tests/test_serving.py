@@ -452,3 +452,24 @@ def test_step_updates_the_cache_in_place(rng):
     assert t == dict(cross_device=[], cache_copies=[], cache_aliased=True), t
     # no loop in the step makes the runtime wait for the device before it returns
     assert sharding.host_waits(text) == []
+
+
+def test_projection_kernel_changes_no_byte(rng, monkeypatch):
+    """invariant.CONTRACTIONS = "pallas" (one kernel per projection instead of the
+    XLA loop) serves the same requests to the same tokens and cache bytes; the
+    engine compiles a new step for it rather than reusing the other one."""
+    from glm5_jax import invariant as inv
+    model = random_model(rng)
+    prompts = [tokens(rng, int(rng.integers(40, 140))) for _ in range(2)]
+    runs = []
+    for mode in ("xla", "pallas"):
+        monkeypatch.setattr(inv, "CONTRACTIONS", mode)
+        e = make_engine(model)
+        before = eng_mod.total_traces()
+        for i, p in enumerate(prompts):
+            e.add_request(f"r{i}", p, 3)
+        e.run()
+        assert eng_mod.total_traces() > before            # traced anew for this mode
+        runs.append(([e.get_output(f"r{i}").output_tokens for i in range(2)], e.cache_bytes(0)))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
