@@ -469,7 +469,8 @@ def test_projection_kernel_changes_no_byte(rng, monkeypatch):
         for i, p in enumerate(prompts):
             e.add_request(f"r{i}", p, 3)
         e.run()
-        assert eng_mod.total_traces() > before            # traced anew for this mode
+        if mode == "pallas":                               # not the xla step of the same shape
+            assert eng_mod.total_traces() > before
         runs.append(([e.get_output(f"r{i}").output_tokens for i in range(2)], e.cache_bytes(0)))
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
