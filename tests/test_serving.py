@@ -460,17 +460,17 @@ def test_projection_kernel_changes_no_byte(rng, monkeypatch):
     engine compiles a new step for it rather than reusing the other one."""
     from glm5_jax import invariant as inv
     model = random_model(rng)
-    prompts = [tokens(rng, int(rng.integers(40, 140))) for _ in range(2)]
+    prompts = [tokens(rng, int(rng.integers(40, 100)))]                 # small: interpret mode on CPU
     runs = []
     for mode in ("xla", "pallas"):
         monkeypatch.setattr(inv, "CONTRACTIONS", mode)
         e = make_engine(model)
         before = eng_mod.total_traces()
         for i, p in enumerate(prompts):
-            e.add_request(f"r{i}", p, 3)
+            e.add_request(f"r{i}", p, 2)
         e.run()
         if mode == "pallas":                               # not the xla step of the same shape
             assert eng_mod.total_traces() > before
-        runs.append(([e.get_output(f"r{i}").output_tokens for i in range(2)], e.cache_bytes(0)))
+        runs.append(([e.get_output(f"r{i}").output_tokens for i in range(len(prompts))], e.cache_bytes(0)))
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
