@@ -412,7 +412,7 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
     eng = engine_for(w, model, num_blocks, mesh)
     lay = eng.layout
     bar = _Progress(len(prompts) * (1 + 2 * w.rounds) + len(fillers), enabled=progress)
-    probes = [dict(prompt=s, shard=None, blocks=[], watched=[], reader=None, snapshot=None, max_changed=0,
+    probes = [dict(prompt=s, shard=None, blocks=[], watched=[], reader=None, max_changed=0,
                    first_change_step=None, changed_pages=0) for s in range(len(prompts))]
 
     def settle(pr):

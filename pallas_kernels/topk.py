@@ -211,22 +211,19 @@ def stream(g: Geometry, kbuf, ibuf, brow, n_chunks, produce, interpret: bool, in
     return lax.fori_loop(0, n_chunks + 1, body, State.init(g.bn) if init is None else init)
 
 
-def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, interpret: bool,
-                part=0, parts: int = 1):
+def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, interpret: bool):
     """out_ref[orow, :k] = the survivors' ids by (key desc, id asc), then -1.
 
     Each survivor's rank is counted (how many survivors beat it), a tile of TI
     survivors at a time; only the tiles that hold survivors run (none for an empty
-    row). ``parts`` programs may share a row: program ``part`` (traced) ranks tiles
-    part, part + parts, ...; part 0 writes the -1 padding."""
+    row)."""
     B.barrier(interpret)
     kp, ti = g.kp, g.ti
     cj = _iota((g.bn, kp), 1)
     inj = cj < cnt[:, None]
     kj = B.gather(kbuf, brow[:, None] + 0 * cj, cj, mask=inj, other=0)              # [BN, KP]
 
-    def tile(i, carry):
-        t = part + i * parts
+    def tile(t, carry):
         ci = t * ti + _iota((g.bn, ti), 1)                                           # [BN, TI]
         ini = ci < cnt[:, None]
         rows_i = brow[:, None] + 0 * ci
@@ -239,8 +236,8 @@ def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, inter
         return carry
 
     n_tiles = (jnp.minimum(jnp.max(cnt), kp) + ti - 1) // ti                         # tiles with survivors
-    lax.fori_loop(0, (n_tiles - part + parts - 1) // parts, tile, 0)
-    empty = (cj >= cnt[:, None]) & (cj < g.k) & row_ok[:, None] & (part == 0)
+    lax.fori_loop(0, n_tiles, tile, 0)
+    empty = (cj >= cnt[:, None]) & (cj < g.k) & row_ok[:, None]
     B.scatter(out_ref, orow[:, None] + 0 * cj, cj, jnp.full((g.bn, kp), -1, jnp.int32), empty)
 
 
