@@ -43,15 +43,23 @@ wait
 timeout "${P2_S:-160}" python3 benchmarks/bench_scaleout.py --json "$OUT/bench_scaleout.json" ${SCALEOUT_ARGS:-} \
   > "$OUT/bench_scaleout.txt" 2>&1
 echo "bench_scaleout rc=$?" >> "$OUT/bench_scaleout.txt"
-# phase 3
+# optional second scale-out run in the same call (e.g. SCALEOUT2_ARGS="--contractions pallas")
+if [ -n "${SCALEOUT2_ARGS:-}" ]; then
+  timeout "${P2_S:-160}" python3 benchmarks/bench_scaleout.py --json "$OUT/bench_scaleout2.json" $SCALEOUT2_ARGS \
+    > "$OUT/bench_scaleout2.txt" 2>&1
+  echo "bench_scaleout2 rc=$?" >> "$OUT/bench_scaleout2.txt"
+fi
+# phase 3 (P3_S=0 skips it)
+if [ "${P3_S:-100}" != 0 ]; then
 ( CUDA_VISIBLE_DEVICES=0 timeout "${P3_S:-100}" python3 benchmarks/bench_read.py ${READ_ARGS:---skip-prefill --batches 64 \
     --contexts 131072 --sweep} --json "$OUT/bench_read.json" > "$OUT/bench_read.txt" 2>&1 ) &
 ( CUDA_VISIBLE_DEVICES=1 timeout "${P3_S:-100}" bash -c "${P3_GPU1:-python3 tests/scripts/run_notebook_cells.py}" \
     > "$OUT/gpu1_phase3.txt" 2>&1; echo "rc=$?" >> "$OUT/gpu1_phase3.txt" ) &
 wait
+fi
 
 for f in pytest_kernels pytest_sharding; do echo "== $f: $(cat "$OUT/rc_${f#pytest_}")"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$f.log" | tail -12; done
-for f in bench_writes bench_scaleout bench_read gpu1_phase3; do echo "== $f"; tail -30 "$OUT/$f.txt"; done
+for f in bench_writes bench_scaleout bench_scaleout2 bench_read gpu1_phase3; do [ -f "$OUT/$f.txt" ] && { echo "== $f"; tail -30 "$OUT/$f.txt"; }; done
 grep -q "rc=0" "$OUT/rc_kernels" && grep -q "rc=0" "$OUT/rc_sharding" && echo "GPU SESSION: passed" || echo "GPU SESSION: failed"
 # the device tool returns at most 8 files: every log also goes into one archive
 # whose name sorts first
