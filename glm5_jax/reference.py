@@ -262,7 +262,13 @@ def logits_from_pools(q8, weights, k8, kscale, page_ok, context_pools):
     -inf for m >= context_pools[b, j] and for pools on invalid pages.
     q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32; k8 [B, M, 128]; kscale [B, M].
     """
-    sc = jnp.einsum("bnhd,bmd->bnhm", q8, k8, preferred_element_type=jnp.float32)
+    # bf16 operands: every e4m3 value is exact in bf16, so the products are exact and
+    # the dot accumulates in f32. An einsum of the fp8 arrays themselves runs on the
+    # H200's fp8 tensor cores with their reduced-precision accumulation: measured
+    # (session 5, tests/scripts/gpu_diag_s5.py) up to 1.6e-3 of a row's largest logit
+    # off the f64 golden scores, and different bits for each row count.
+    sc = jnp.einsum("bnhd,bmd->bnhm", q8.astype(jnp.bfloat16), k8.astype(jnp.bfloat16),
+                    preferred_element_type=jnp.float32)
     sc = jnp.maximum(sc * kscale[:, None, None, :], 0.0)
     logit = jnp.sum(weights.astype(jnp.float32)[..., None] * sc, axis=2)       # [B, n, M]
     m = jnp.arange(k8.shape[1], dtype=jnp.int32)

@@ -26,10 +26,12 @@ from pallas_kernels import addressing as addr
 SENTINEL = 0xA5
 FP8 = jnp.float8_e4m3fn
 # Relative tolerance on logits (relative to the row's largest |score|). On CPU the
-# kernels' f32 sums differ from XLA's by an ulp at most. On Hopper, fp8 tensor-core
-# dots accumulate with ~14-bit precision inside one K=128 dot (DeepGEMM promotes to
-# f32 every 128 elements for this reason), so kernel logits can be ~1e-4 off.
-LOGIT_RTOL = 5e-4 if jax.default_backend() == "gpu" else 2e-6
+# kernels' f32 sums differ from XLA's by an ulp at most. On the H200 (session 5,
+# tests/scripts/gpu_diag_s5.py) the Pallas logits are within 1.3e-6 of the f64 golden
+# scores; the XLA reference was up to 1.6e-3 off while it ran its einsum on the fp8
+# arrays (fp8 tensor cores accumulate with reduced precision), and it now
+# multiplies bf16 copies (exact products, f32 accumulation).
+LOGIT_RTOL = 2e-5 if jax.default_backend() == "gpu" else 2e-6
 
 
 # ---------------------------------------------------------------------------------
@@ -506,7 +508,14 @@ def test_long_prefill_runs_in_row_chunks(rng, monkeypatch):
                      np.asarray(ctx).reshape(-1), k)
     monkeypatch.setattr(ref, "LOGITS_BUDGET_BYTES", 5 * 32 * 96 * 4)   # 5 query rows per chunk
     assert ref.query_row_chunk(n, 32, 96) == 5
-    np.testing.assert_array_equal(select_xla(), whole)
+    chunked = select_xla()
+    if jax.default_backend() == "cpu":                     # XLA's CPU dot: the same bits for any row count
+        np.testing.assert_array_equal(chunked, whole)
+    else:            # a GPU dot may sum in another order per row count (session 5, gpu_diag_s5.py)
+        r = layout.config.kpool
+        (ids_c, tail_c), (ids_w, tail_w) = split_tokens(chunked, k, r), split_tokens(whole, k, r)
+        np.testing.assert_array_equal(tail_c, tail_w)
+        assert_selection(ids_c, ids_w, logits, np.asarray(ctx).reshape(-1), k)
 
 
 def test_paged_topk_never_materialises_logits(rng):
