@@ -45,7 +45,8 @@ def parse(argv):
     ap.add_argument("--concurrency", type=int, default=None, help="running requests per device")
     ap.add_argument("--goal", type=float, default=1.8, help="required speed-up of the largest count over 1")
     ap.add_argument("--contractions", choices=("xla", "pallas"), default=None,
-                    help="who runs the model's projections (glm5_jax.invariant.CONTRACTIONS; default: its value)")
+                    help="who runs the model's projections (glm5_jax.invariant.CONTRACTIONS; default: its value, "
+                         "auto = pallas on a GPU)")
     ap.add_argument("--json", help="write the results as JSON here")
     a = ap.parse_args(argv)
     counts = [1, min(2, jax.device_count())] if a.devices is None else [int(x) for x in a.devices.split(",")]
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         invariant.CONTRACTIONS = a.contractions
     from glm5_jax import invariant
     print(f"bench_scaleout: {jax.default_backend()} {jax.devices()[0].device_kind} x {jax.device_count()}, "
-          f"device counts {counts}, preset {a.preset}, projections by {invariant.CONTRACTIONS}", flush=True)
+          f"device counts {counts}, preset {a.preset}, projections by {invariant.contractions()}", flush=True)
     try:
         base = workload(a, 1)
         model = Decoder.random(base.model_config, seed=base.seed)

@@ -106,7 +106,7 @@ def _step_impl(state, cache, flat, *, fields, graphdef, layout, implementation, 
     """One step on every device: cache [D, words] and the packed step arrays flat
     [D, total] i32 (``pack_step_arrays``) -> (cache, next_token [D, T] i32,
     selected [D, num_layers, T, W] i32). ``contractions`` is
-    ``invariant.CONTRACTIONS`` when called: static, so that changing it compiles
+    ``invariant.contractions()`` when called: static, so that changing it compiles
     a new step instead of reusing one traced under the other value."""
     _TRACE_COUNT[0] += 1                      # runs once per trace, i.e. per compilation
 
@@ -564,7 +564,7 @@ class Engine:
             self.cache, next_tok, selected = _step(self._state, self.cache, flat, fields=fields,
                                                    graphdef=self._graphdef, layout=self.layout,
                                                    implementation=self.implementation, fault=self.fault,
-                                                   mesh=self.mesh, contractions=inv.CONTRACTIONS)
+                                                   mesh=self.mesh, contractions=inv.contractions())
             mark("dispatch")
             next_tok.copy_to_host_async()
             next_tok = np.asarray(next_tok)                                  # [D, T]
@@ -694,7 +694,7 @@ class Engine:
         flat, fields = self._batch(shape, [empty] * self.num_shards)
         return _step.lower(self._state, self._live_cache(), flat, fields=fields, graphdef=self._graphdef,
                            layout=self.layout, implementation=self.implementation, fault=self.fault,
-                           mesh=self.mesh, contractions=inv.CONTRACTIONS)
+                           mesh=self.mesh, contractions=inv.contractions())
 
     def cache_bytes(self, shard: int = 0) -> np.ndarray:
         """A host copy of one shard's flat cache as bytes (read from that device only)."""

@@ -26,6 +26,7 @@ any batch shape, fusion context or backend.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -38,12 +39,26 @@ from pallas_kernels import numerics as nm
 # ~52 ms (the long unrolled bodies run slower) and throughput fell from 11.1k to
 # 6.6k tokens/s. 8 stays; the unroll changes no bit either way.
 UNROLL = 8
-# Who runs linear / linear_f32: "xla" (the fori_loop chain above) or "pallas" (one
+# Who runs linear / linear_f32: "xla" (the fori_loop chain above), "pallas" (one
 # kernel per projection, pallas_kernels/ordered_linear.py: the same operations in
 # the same order, so the same bits, with one launch instead of K / UNROLL loop
-# iterations). "pallas" is tested bit for bit in interpret mode on the CPU; it has
-# not run on a GPU yet, so "xla" stays the default until it is measured there.
-CONTRACTIONS = "xla"
+# iterations) or "auto": "pallas" on a GPU, "xla" elsewhere (on the CPU the kernel
+# runs in interpret mode, far slower than the loop). Measured on the H200 (session
+# 5, bench_scaleout): the kernel halves a serving step's dispatch (26 -> 12 ms) and
+# serves 14 % more tokens/s on one GPU, 1.88x on two; its bits equal the chain's
+# (tests/test_gpu.py, and the engine test serving the same tokens and cache bytes).
+CONTRACTIONS = "auto"
+CONTRACTION_MODES = ("auto", "xla", "pallas")
+
+
+def contractions() -> str:
+    """The effective choice, "xla" or "pallas" (``CONTRACTIONS`` with "auto" resolved
+    for the default backend)."""
+    if CONTRACTIONS not in CONTRACTION_MODES:
+        raise ValueError(f"invariant.CONTRACTIONS must be one of {CONTRACTION_MODES}, got {CONTRACTIONS!r}")
+    if CONTRACTIONS == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return CONTRACTIONS
 
 
 def _ordered_chain(n: int, term, init, *, unroll: int | None = None):
@@ -79,7 +94,7 @@ def linear(x, w_t):
     if w_t.shape[0] != k:
         raise ValueError(f"linear: x [..., {k}] does not match weight [{w_t.shape[0]}, ...]")
     lead = x.shape[:-1]
-    if CONTRACTIONS == "pallas":
+    if contractions() == "pallas":
         from pallas_kernels.ordered_linear import ordered_linear
         return ordered_linear(x.reshape(-1, k), w_t, mode="bf16").reshape(lead + (w_t.shape[1],))
     x2 = x.reshape(-1, k).astype(jnp.float32)
@@ -112,7 +127,7 @@ def linear_f32(x, w_t):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     wf = w_t.astype(jnp.float32)
-    if CONTRACTIONS == "pallas":
+    if contractions() == "pallas":
         from pallas_kernels.ordered_linear import ordered_linear
         return ordered_linear(x2, wf, mode="f32").reshape(lead + (w_t.shape[1],))
 
@@ -202,8 +217,19 @@ def masked_softmax(scores, mask):
 
 
 def bf16(x):
-    """Round to bf16 (as a bf16 array)."""
-    return x.astype(jnp.bfloat16)
+    """Round to bf16 (nearest, ties to even) as a bf16 array, with integer ops.
+
+    Not ``x.astype(bfloat16)`` alone: XLA on the GPU drops an f32 -> bf16 -> f32
+    round trip when it may keep excess precision (``xla_allow_excess_precision``,
+    on by default), so a consumer computing in f32 saw the unrounded value: the
+    products of ``linear``'s chain were then no longer exact, and the Pallas
+    projection kernel (which receives a real bf16 array) gave other bits (H200,
+    session 5, tests/scripts/gpu_diag_s5.py). Rounded by ``numerics.round_bf16``
+    first, the value is bf16-exact whether or not XLA keeps the round trip.
+    """
+    if x.dtype == jnp.bfloat16:
+        return x
+    return nm.round_bf16(x.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 __all__ = ["linear", "linear_multi", "linear_f32", "contract", "sum_last", "sum_sq_last", "rms_norm", "layer_norm",

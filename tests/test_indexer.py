@@ -194,6 +194,36 @@ def test_ordered_linear_kernel_rejects_bad_input():
     assert ordered_linear(x[:0], jnp.zeros((8, 3), jnp.bfloat16), mode="bf16").shape == (0, 3)
 
 
+def test_contractions_choice(monkeypatch):
+    """"auto" runs the projection kernel on a GPU only; a bad value is refused."""
+    monkeypatch.setattr(inv, "CONTRACTIONS", "auto")
+    assert inv.contractions() == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    for mode in ("xla", "pallas"):
+        monkeypatch.setattr(inv, "CONTRACTIONS", mode)
+        assert inv.contractions() == mode
+    monkeypatch.setattr(inv, "CONTRACTIONS", "triton")
+    with pytest.raises(ValueError, match="CONTRACTIONS must be one of"):
+        inv.linear(jnp.zeros((2, 8), jnp.bfloat16), jnp.zeros((8, 3), jnp.bfloat16))
+
+
+def test_bf16_rounding_survives_f32_consumers(rng):
+    """inv.bf16 followed by f32 arithmetic in one jitted function sees the ROUNDED
+    value, ties to even, as numpy's bf16 cast. On the H200 a plain astype round trip
+    is dropped by XLA (excess precision) and this compared the unrounded inputs."""
+    u = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    u = np.where((u >> 23 & 0xFF) == 0xFF, u & 0xBFFFFFFF, u)                   # no inf / NaN inputs
+    u = np.where((u >> 23 & 0xFF) == 0, u | 0x00800000, u)                        # no subnormals (XLA's FTZ)
+    u[:64] = (u[:64] & 0xFFFF0000) | 0x8000                                       # exact ties
+    u[64:66] = [0x7F7FFFFF, 0xFF7FFFFF]                                           # round to +-inf
+    x = u.view(np.float32)
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32) * np.float32(3)        # exact: 8 bits x 2 bits
+    got = np.asarray(jax.jit(lambda v: inv.bf16(v).astype(jnp.float32) * 3.0)(x))
+    bad = (got.view(np.uint32) != want.view(np.uint32)) & ~(np.isnan(got) & np.isnan(want))
+    assert not bad.any(), f"{bad.sum()} values differ from numpy's bf16 rounding, e.g. {x[bad][:3]}"
+    b = jnp.asarray(x, jnp.bfloat16)
+    assert inv.bf16(b) is b                                                       # already bf16: unchanged
+
+
 def test_layer_prefill_in_non_aligned_chunks_matches_golden_pools(rng):
     """The layer's own projections, written in two chunks split mid-pool, give the
     paging-free golden pools (Appendix C) and tail ring, byte for byte."""
