@@ -47,8 +47,15 @@ def parse(argv):
     ap.add_argument("--contractions", choices=("xla", "pallas"), default=None,
                     help="who runs the model's projections (glm5_jax.invariant.CONTRACTIONS; default: its value, "
                          "auto = pallas on a GPU)")
+    ap.add_argument("--kernels", default=None,
+                    help="with pallas contractions, which ones run as kernels: a comma list of "
+                         "linear, attention, norms (glm5_jax.invariant.PALLAS_KERNELS; default: all)")
     ap.add_argument("--json", help="write the results as JSON here")
     a = ap.parse_args(argv)
+    if a.kernels is not None:
+        bad = sorted(set(a.kernels.split(",")) - {"linear", "attention", "norms"})
+        if bad:
+            ap.error(f"--kernels: unknown {bad} (linear, attention, norms)")
     counts = [1, min(2, jax.device_count())] if a.devices is None else [int(x) for x in a.devices.split(",")]
     counts = sorted(set(counts))
     if counts[0] != 1 or max(counts) > jax.device_count():
@@ -69,8 +76,13 @@ def main(argv=None) -> int:
         from glm5_jax import invariant
         invariant.CONTRACTIONS = a.contractions
     from glm5_jax import invariant
+    if a.kernels is not None:
+        invariant.PALLAS_KERNELS = tuple(a.kernels.split(","))
+    how = invariant.contractions()
+    if how == "pallas":
+        how += f" ({', '.join(invariant.PALLAS_KERNELS)})"
     print(f"bench_scaleout: {jax.default_backend()} {jax.devices()[0].device_kind} x {jax.device_count()}, "
-          f"device counts {counts}, preset {a.preset}, projections by {invariant.contractions()}", flush=True)
+          f"device counts {counts}, preset {a.preset}, contractions by {how}", flush=True)
     try:
         base = workload(a, 1)
         model = Decoder.random(base.model_config, seed=base.seed)
@@ -123,7 +135,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
-                           preset=a.preset, num_blocks=num_blocks, goal=a.goal,
+                           preset=a.preset, num_blocks=num_blocks, goal=a.goal, contractions=how,
                            workload=dataclasses.asdict(workload(a, 1)),
                            rows=rows, ok=ok), f, indent=2)
     return 0 if ok else 1

@@ -49,6 +49,12 @@ UNROLL = 8
 # (tests/test_gpu.py, and the engine test serving the same tokens and cache bytes).
 CONTRACTIONS = "auto"
 CONTRACTION_MODES = ("auto", "xla", "pallas")
+# What "pallas" moves into kernels: "linear" (the projections, ordered_linear.py),
+# "attention" (the sparse attention's scores and weighted sum, ordered_linear.py
+# batched over tokens) and "norms" (the sums of squares of RMSNorm / LayerNorm,
+# ordered_sumsq.py). Every subset gives the same bits; bench_scaleout --kernels
+# compares their speed.
+PALLAS_KERNELS = ("linear", "attention", "norms")
 
 
 def contractions() -> str:
@@ -59,6 +65,12 @@ def contractions() -> str:
     if CONTRACTIONS == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     return CONTRACTIONS
+
+
+def _kernel_for(kind: str) -> bool:
+    """Whether the contractions of ``kind`` (one of "linear", "attention", "norms")
+    run as Pallas kernels now."""
+    return contractions() == "pallas" and kind in PALLAS_KERNELS
 
 
 def _ordered_chain(n: int, term, init, *, unroll: int | None = None):
@@ -94,7 +106,7 @@ def linear(x, w_t):
     if w_t.shape[0] != k:
         raise ValueError(f"linear: x [..., {k}] does not match weight [{w_t.shape[0]}, ...]")
     lead = x.shape[:-1]
-    if contractions() == "pallas":
+    if _kernel_for("linear"):
         from pallas_kernels.ordered_linear import ordered_linear
         return ordered_linear(x.reshape(-1, k), w_t, mode="bf16").reshape(lead + (w_t.shape[1],))
     x2 = x.reshape(-1, k).astype(jnp.float32)
@@ -127,7 +139,7 @@ def linear_f32(x, w_t):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     wf = w_t.astype(jnp.float32)
-    if contractions() == "pallas":
+    if _kernel_for("linear"):
         from pallas_kernels.ordered_linear import ordered_linear
         return ordered_linear(x2, wf, mode="f32").reshape(lead + (w_t.shape[1],))
 
@@ -165,10 +177,36 @@ def sum_last(x):
     return x[..., 0]
 
 
+def batched_linear(a, b, *, b_transposed: bool = False):
+    """a [G, M, K] bf16 @ b [G, K, N] bf16 (b [G, N, K] with ``b_transposed``) ->
+    [G, M, N] f32: G independent ordered chains over K with exact products (the
+    attention's scores and weighted sum, one product per token)."""
+    if a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16:
+        raise ValueError(f"batched_linear: operands must be bf16 (exact products), got {a.dtype} and {b.dtype}")
+    g, m, k = a.shape
+    n, kb = (b.shape[1], b.shape[2]) if b_transposed else (b.shape[2], b.shape[1])
+    if b.shape[0] != g or kb != k:
+        raise ValueError(f"batched_linear: a {a.shape} does not match b {b.shape}"
+                         f"{' (transposed)' if b_transposed else ''}")
+    if _kernel_for("attention"):
+        from pallas_kernels.ordered_linear import ordered_linear
+        return ordered_linear(a, b, mode="bf16", w_transposed=b_transposed)
+    if b_transposed:
+        def b_of(j):
+            return lax.dynamic_index_in_dim(b, j, 2, keepdims=False)[:, None, :]       # [G, 1, N]
+    else:
+        def b_of(j):
+            return lax.dynamic_index_in_dim(b, j, 1, keepdims=True)                    # [G, 1, N]
+    return contract(k, lambda j: lax.dynamic_index_in_dim(a, j, 2, keepdims=True), b_of, (g, m, n))
+
+
 def sum_sq_last(x):
     """sum_j x_j**2 over the last axis, exact-product mac chain (f32)."""
     x = x.astype(jnp.float32)
     n = x.shape[-1]
+    if _kernel_for("norms"):
+        from pallas_kernels.ordered_sumsq import ordered_sumsq
+        return ordered_sumsq(x.reshape(-1, n)).reshape(x.shape[:-1])
 
     def step(acc, j):
         xj = lax.dynamic_index_in_dim(x, j, axis=x.ndim - 1, keepdims=False)
@@ -232,5 +270,5 @@ def bf16(x):
     return nm.round_bf16(x.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-__all__ = ["linear", "linear_multi", "linear_f32", "contract", "sum_last", "sum_sq_last", "rms_norm", "layer_norm",
-           "silu", "masked_softmax", "rsqrt", "bf16"]
+__all__ = ["linear", "linear_multi", "linear_f32", "batched_linear", "contract", "sum_last", "sum_sq_last",
+           "rms_norm", "layer_norm", "silu", "masked_softmax", "rsqrt", "bf16"]

@@ -146,16 +146,11 @@ def sort_selected(sel):
 
 def sparse_attention(q, k, v, mask):
     """q [T, nh, hd] bf16; k, v [T, W, hd] bf16; mask [T, W] -> [T, nh, hd] f32 (batch invariant)."""
-    t, nh, hd = q.shape
-    w = k.shape[1]
-    scores = inv.contract(hd, lambda j: lax.dynamic_index_in_dim(q, j, 2, keepdims=True),
-                          lambda j: lax.dynamic_index_in_dim(k, j, 2, keepdims=False)[:, None, :],
-                          (t, nh, w))
+    hd = q.shape[2]
+    scores = inv.batched_linear(q, k, b_transposed=True)                  # [T, nh, W]: q . k over hd
     scores = scores * jnp.float32(hd ** -0.5)
     p = inv.bf16(inv.masked_softmax(scores, mask[:, None, :]))
-    return inv.contract(w, lambda j: lax.dynamic_index_in_dim(p, j, 2, keepdims=True),
-                        lambda j: lax.dynamic_index_in_dim(v, j, 1, keepdims=True),
-                        (t, nh, hd))
+    return inv.batched_linear(p, v)                                      # [T, nh, hd]: p . v over W
 
 
 class DecoderLayer(nnx.Module):

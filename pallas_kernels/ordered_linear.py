@@ -1,6 +1,7 @@
-"""Kernel: x @ w as one ordered chain (``glm5_jax.invariant.linear`` / ``linear_f32``).
+"""Kernel: x @ w as one ordered chain (``glm5_jax.invariant.linear`` / ``linear_f32``
+/ ``batched_linear``).
 
-out[m, n] = (...((0 + x[m, 0] w[0, n]) + x[m, 1] w[1, n]) + ...) + x[m, K-1] w[K-1, n]
+out[g, m, n] = (...((0 + x[g, m, 0] w[g, 0, n]) + x[g, m, 1] w[g, 1, n]) + ...) + x[g, m, K-1] w[g, K-1, n]
 in f32, the contraction index ascending. Every product is exact: bf16 x bf16 has
 at most 16 significant bits (mode "bf16"), and an f32 x f32 product goes through
 ``numerics.mac``'s four exact partial products (mode "f32"). An FMA and a
@@ -9,14 +10,22 @@ every backend, and a row's result depends neither on the other rows nor on the
 tile shape (batch invariance, glm5_jax.invariant).
 
 Why a kernel: the XLA chain is a fori_loop whose body the GPU runtime launches
-from the host once per iteration; the serving step of bench_scaleout runs ~900
-such iterations for its projections alone (docs/design.md, "Toward 1.8x"). One
-launch per projection replaces them. Not yet measured on the GPU:
-``invariant.CONTRACTIONS`` selects it ("xla" by default).
+from the host once per iteration; the serving step of bench_scaleout ran ~1,800
+such iterations (docs/design.md, "Toward 1.8x"). One launch per contraction
+replaces them. Measured on the H200 (session 5): with the projections in this
+kernel a step's dispatch fell from 26 to 12 ms and the 2-GPU scale-out rose from
+1.81x to 1.88x.
 
-Reads ONLY x [M, K] and w [K, N]; writes ONLY out [M, N] f32 (lanes past M or N
-are masked). Grid: (ceil(M / BM), ceil(N / BN)), one [BM, BN] output tile per
-program, walking K in order.
+Operands: x [M, K] or [G, M, K]; w [K, N] or [G, K, N], or with
+``w_transposed`` [N, K] / [G, N, K] (the attention's scores read K rows as they
+are gathered, without a transposed copy). A leading G is a batch of independent
+products (the attention: one per token).
+
+Reads ONLY x and w; writes ONLY out [G, M, N] f32 (lanes past M or N are
+masked). Grid: (G, ceil(M / BM), ceil(N / BN)), one [BM, BN] output tile per
+program, walking K in order, ``unroll`` steps per loop iteration (the same
+operations in the same order: the unroll only lets the loads of several steps
+be in flight together).
 """
 from __future__ import annotations
 
@@ -31,46 +40,85 @@ from . import numerics as nm
 
 TILE_ROWS = 32             # BM
 TILE_COLS = 64             # BN
+UNROLL = 4                 # K steps per loop iteration
 MODES = ("bf16", "f32")
 
 
-def _kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, bm: int, bn: int, mode: str):
-    # x_ref [M, K] (bf16 or f32), w_ref [K, N] (same dtype), o_ref [M, N] f32
-    rows = B.program_id(0) * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)         # [BM, 1]
-    cols = B.program_id(1) * bn + lax.broadcasted_iota(jnp.int32, (1, bn), 1)         # [1, BN]
-    rc, cc = jnp.minimum(rows, m - 1), jnp.minimum(cols, n - 1)                      # in range
+def _kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, bm: int, bn: int, mode: str, wt: bool,
+            unroll: int):
+    # x_ref [G*M, K]; w_ref [G*K, N] (or [G*N, K] when wt); o_ref [G*M, N] f32
+    g = B.program_id(0)
+    rows = B.program_id(1) * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)        # [BM, 1]
+    cols = B.program_id(2) * bn + lax.broadcasted_iota(jnp.int32, (1, bn), 1)        # [1, BN]
+    rc, cc = jnp.minimum(rows, m - 1), jnp.minimum(cols, n - 1)                     # in range
+    xr = g * m + rc                                                                 # rows of x_ref
+    wr = g * n + cc if wt else None                                                 # rows of w_ref (wt)
 
-    def step(t, acc):                                                                # acc [BM, BN] f32
-        xt = B.gather(x_ref, rc, 0 * rc + t).astype(jnp.float32)                     # [BM, 1]
-        wt = B.gather(w_ref, 0 * cc + t, cc).astype(jnp.float32)                     # [1, BN]
+    def one(t, acc):                                                                # acc [BM, BN] f32
+        xt = B.gather(x_ref, xr, 0 * xr + t).astype(jnp.float32)                    # [BM, 1]
+        if wt:
+            wv = B.gather(w_ref, wr, 0 * wr + t)                                    # [1, BN]
+        else:
+            wv = B.gather(w_ref, 0 * cc + g * k + t, cc)                            # [1, BN]
+        wv = wv.astype(jnp.float32)
         if mode == "bf16":
-            return acc + xt * wt                                                     # exact product
-        return nm.mac(acc, jnp.broadcast_to(xt, acc.shape), jnp.broadcast_to(wt, acc.shape))
+            return acc + xt * wv                                                    # exact product
+        return nm.mac(acc, jnp.broadcast_to(xt, acc.shape), jnp.broadcast_to(wv, acc.shape))
 
-    acc = lax.fori_loop(0, k, step, jnp.zeros((bm, bn), jnp.float32))
-    r2, c2 = rc + 0 * cc, cc + 0 * rc                                                # [BM, BN]
+    def group(i, acc):
+        for u in range(unroll):
+            acc = one(i * unroll + u, acc)
+        return acc
+
+    groups, rest = divmod(k, unroll)
+    acc = lax.fori_loop(0, groups, group, jnp.zeros((bm, bn), jnp.float32))
+    for u in range(rest):
+        acc = one(groups * unroll + u, acc)
+    r2, c2 = g * m + rc + 0 * cc, cc + 0 * rc                                         # [BM, BN]
     B.scatter(o_ref, r2, c2, acc, (rows < m) & (cols < n))
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "interpret", "tile", "num_warps"))
-def ordered_linear(x, w, *, mode: str, interpret=None, tile=(TILE_ROWS, TILE_COLS), num_warps: int = 4):
-    """x [M, K], w [K, N] (bf16 for mode "bf16", f32 for "f32") -> [M, N] f32, the
-    contraction in ascending order with exact products (module docstring)."""
+def _pow2_at_most(v: int, cap: int, floor: int = 16) -> int:
+    p = floor
+    while p < cap and p < v:
+        p *= 2
+    return p
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "interpret", "tile", "num_warps", "w_transposed", "unroll"))
+def ordered_linear(x, w, *, mode: str, interpret=None, tile=None, num_warps: int = 4, w_transposed: bool = False,
+                   unroll: int = UNROLL):
+    """x [M, K] or [G, M, K], w [K, N] or [G, K, N] ([N, K] / [G, N, K] with
+    ``w_transposed``), both bf16 (mode "bf16") or f32 (mode "f32") -> [M, N] or
+    [G, M, N] f32: each contraction in ascending order with exact products (module
+    docstring). ``tile`` (BM, BN) defaults to (32, 64), narrowed to powers of two
+    >= 16 that cover small M / N."""
     if mode not in MODES:
         raise ValueError(f"ordered_linear: mode must be one of {MODES}, got {mode!r}")
     want = jnp.bfloat16 if mode == "bf16" else jnp.float32
     if x.dtype != want or w.dtype != want:
         raise ValueError(f"ordered_linear: mode {mode!r} needs {jnp.dtype(want).name} operands, "
                          f"got {x.dtype} and {w.dtype}")
-    (m, k), (k2, n) = x.shape, w.shape
-    if k != k2:
-        raise ValueError(f"ordered_linear: x [{m}, {k}] does not match w [{k2}, {n}]")
-    if m == 0 or n == 0 or k == 0:
-        return jnp.zeros((m, n), jnp.float32)
-    bm, bn = tile
-    return B.pallas_call(
-        functools.partial(_kernel, m=m, n=n, k=k, bm=bm, bn=bn, mode=mode),
-        grid=(-(-m // bm), -(-n // bn)),
-        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+    if x.ndim not in (2, 3) or w.ndim != x.ndim:
+        raise ValueError(f"ordered_linear: x and w must both be 2-D or both 3-D, got {x.shape} and {w.shape}")
+    batched = x.ndim == 3
+    x3, w3 = (x, w) if batched else (x[None], w[None])
+    g, m, k = x3.shape
+    n = w3.shape[1] if w_transposed else w3.shape[2]
+    kw = w3.shape[2] if w_transposed else w3.shape[1]
+    if w3.shape[0] != g or kw != k:
+        raise ValueError(f"ordered_linear: x {x.shape} does not match w {w.shape}"
+                         f"{' (transposed)' if w_transposed else ''}")
+    if unroll < 1:
+        raise ValueError(f"ordered_linear: unroll must be >= 1, got {unroll}")
+    shape = (g, m, n) if batched else (m, n)
+    if g == 0 or m == 0 or n == 0 or k == 0:
+        return jnp.zeros(shape, jnp.float32)
+    bm, bn = tile if tile is not None else (_pow2_at_most(m, TILE_ROWS), _pow2_at_most(n, TILE_COLS))
+    out = B.pallas_call(
+        functools.partial(_kernel, m=m, n=n, k=k, bm=bm, bn=bn, mode=mode, wt=w_transposed, unroll=unroll),
+        grid=(g, -(-m // bm), -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((g * m, n), jnp.float32),
         input_output_aliases={}, interpret=interpret, name=f"ordered_linear_{mode}", num_warps=num_warps,
-    )(x, w)
+    )(x3.reshape(g * m, k), w3.reshape(w3.shape[0] * w3.shape[1], w3.shape[2]))
+    return out.reshape(shape)

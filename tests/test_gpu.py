@@ -3,6 +3,8 @@ the compiled HLO, same buffer), caches larger than 2 and 4 GiB with writes past
 byte 2**31, and out-of-range slots that must not write (interpret mode clamps
 out-of-bounds accesses, so only a GPU run proves these)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,11 +100,12 @@ def test_read_path_never_waits_on_the_host(rng):
 
 
 @pytest.mark.parametrize("mode, n", [("bf16", 640), ("f32", 32)])
-def test_ordered_linear_compiled_equals_the_chain(rng, mode, n):
+def test_ordered_linear_compiled_equals_the_chain(rng, monkeypatch, mode, n):
     """The projection kernel compiled for the GPU gives the XLA chain's bits at the
     serving step's sizes (2,064 tokens, K = 512)."""
     from glm5_jax import invariant as inv
     from pallas_kernels.ordered_linear import ordered_linear
+    monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the chain ("auto" is the kernel on a GPU)
     dt = jnp.bfloat16 if mode == "bf16" else jnp.float32
     x = jnp.asarray(rng.standard_normal((2064, 512)) * (1.0 if mode == "bf16" else 1.37), dt)
     w = jnp.asarray(rng.standard_normal((512, n)) * 0.05, dt)
@@ -110,3 +113,25 @@ def test_ordered_linear_compiled_equals_the_chain(rng, mode, n):
     want = np.asarray(jax.jit(chain)(x, w)).view(np.uint32)
     got = np.asarray(ordered_linear(x, w, mode=mode)).view(np.uint32)
     assert (got != want).sum() == 0, f"{(got != want).sum()} of {want.size} words differ"
+
+
+def test_attention_and_norm_kernels_compiled_equal_the_chains(rng, monkeypatch):
+    """The attention's per-token products (scores with the K rows as gathered, then
+    the weighted sum over 2,051 selected tokens) and the norms' sums of squares,
+    compiled for the GPU, give the XLA chains' bits at the serving step's sizes."""
+    from glm5_jax import invariant as inv
+    from pallas_kernels.ordered_linear import ordered_linear
+    from pallas_kernels.ordered_sumsq import ordered_sumsq
+    monkeypatch.setattr(inv, "CONTRACTIONS", "xla")
+    t, nh, hd, w = 300, 4, 64, 2051
+    q = jnp.asarray(rng.standard_normal((t, nh, hd)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((t, w, hd)) * 0.1, jnp.bfloat16)
+    p = jnp.asarray(rng.uniform(0, 1e-3, (t, nh, w)), jnp.bfloat16)
+    for name, a, b, tr in (("scores", q, k, True), ("weighted sum", p, k, False)):
+        want = np.asarray(jax.jit(functools.partial(inv.batched_linear, b_transposed=tr))(a, b)).view(np.uint32)
+        got = np.asarray(ordered_linear(a, b, mode="bf16", w_transposed=tr)).view(np.uint32)
+        assert (got != want).sum() == 0, f"{name}: {(got != want).sum()} of {want.size} words differ"
+    x = jnp.asarray(rng.standard_normal((2064, 256)) * np.exp2(rng.integers(-8, 8, (2064, 1))), jnp.float32)
+    want = np.asarray(jax.jit(inv.sum_sq_last)(x)).view(np.uint32)
+    got = np.asarray(ordered_sumsq(x)).view(np.uint32)
+    assert (got != want).sum() == 0, f"sum of squares: {(got != want).sum()} of {want.size} words differ"

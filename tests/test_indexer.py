@@ -148,6 +148,7 @@ def test_invariant_linear_is_batch_invariant_and_accurate(rng):
 def test_ordered_chain_unroll_changes_no_bit(rng, monkeypatch, op):
     """The unroll of the ordered contractions is a launch-cost knob only: every
     unroll, including none and all, gives the same bits."""
+    monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the XLA chain ("auto" is the kernel on a GPU)
     x, w = bf16(rng, (9, 70)), bf16(rng, (70, 12), 0.1)
     args = {"linear": (x, w), "linear_f32": (x.astype(np.float32) * 1.37, w.astype(np.float32)),
             "sum_sq_last": (x.astype(np.float32) * 1.37,)}[op]
@@ -165,6 +166,7 @@ def test_ordered_linear_kernel_equals_the_chain(rng, monkeypatch, mode):
     XLA chain's bits, for any tile shape, and stays batch invariant; through
     ``invariant.CONTRACTIONS = "pallas"`` linear / linear_f32 use it."""
     from pallas_kernels.ordered_linear import ordered_linear
+    monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the chain ("auto" is the kernel on a GPU)
     x, w = bf16(rng, (37, 96)), bf16(rng, (96, 70), 0.1)
     chain = inv.linear if mode == "bf16" else inv.linear_f32
     if mode == "f32":                                      # operands with full f32 mantissas
@@ -182,6 +184,41 @@ def test_ordered_linear_kernel_equals_the_chain(rng, monkeypatch, mode):
                                   want)
 
 
+def test_attention_and_norm_kernels_equal_the_chains(rng, monkeypatch):
+    """The batched (per-token) form of the projection kernel, with and without a
+    transposed right operand, and the sum-of-squares kernel give the XLA chains'
+    bits, for any tile / unroll; through ``invariant.CONTRACTIONS = "pallas"`` the
+    attention and the norms use them."""
+    from pallas_kernels.ordered_linear import ordered_linear
+    from pallas_kernels.ordered_sumsq import ordered_sumsq
+    monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the chains ("auto" is the kernels on a GPU)
+    g, m, k, n = 5, 3, 37, 21
+    a, b = jnp.asarray(bf16(rng, (g, m, k))), jnp.asarray(bf16(rng, (g, k, n), 0.1))
+    bt = jnp.swapaxes(b, 1, 2)                                            # [G, N, K], same values
+    want = np.asarray(inv.batched_linear(a, b)).view(np.uint32)
+    np.testing.assert_array_equal(np.asarray(inv.batched_linear(a, bt, b_transposed=True)).view(np.uint32), want)
+    for tile, unroll in (((16, 16), 1), ((32, 64), 4), ((16, 32), 5)):
+        for w_, tr in ((b, False), (bt, True)):
+            got = ordered_linear(a, w_, mode="bf16", tile=tile, unroll=unroll, w_transposed=tr)
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want, err_msg=f"{tile} {unroll} {tr}")
+    x = jnp.asarray(rng.standard_normal((19, 45)) * np.exp2(rng.integers(-20, 20, (19, 1))), jnp.float32)
+    want_sq = np.asarray(inv.sum_sq_last(x)).view(np.uint32)
+    for tile_rows, unroll in ((16, 1), (64, 4), (32, 7)):
+        got = ordered_sumsq(x, tile_rows=tile_rows, unroll=unroll)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want_sq, err_msg=f"{tile_rows} {unroll}")
+    np.testing.assert_array_equal(np.asarray(ordered_sumsq(x[:2])).view(np.uint32), want_sq[:2])   # batch invariant
+    monkeypatch.setattr(inv, "CONTRACTIONS", "pallas")
+    np.testing.assert_array_equal(np.asarray(inv.batched_linear(a, bt, b_transposed=True)).view(np.uint32), want)
+    np.testing.assert_array_equal(np.asarray(inv.sum_sq_last(x.reshape(19, 1, 45))).view(np.uint32).reshape(19),
+                                  want_sq)
+    with pytest.raises(ValueError, match="does not match"):
+        inv.batched_linear(a, b, b_transposed=True)
+    with pytest.raises(ValueError, match="must be bf16"):
+        inv.batched_linear(a.astype(jnp.float32), b)
+    with pytest.raises(ValueError, match="2-D float32"):
+        ordered_sumsq(x.astype(jnp.bfloat16))
+
+
 def test_ordered_linear_kernel_rejects_bad_input():
     from pallas_kernels.ordered_linear import ordered_linear
     x = jnp.zeros((4, 8), jnp.bfloat16)
@@ -191,6 +228,10 @@ def test_ordered_linear_kernel_rejects_bad_input():
         ordered_linear(x, jnp.zeros((7, 3), jnp.bfloat16), mode="bf16")
     with pytest.raises(ValueError, match="mode must be"):
         ordered_linear(x, jnp.zeros((8, 3), jnp.bfloat16), mode="f16")
+    with pytest.raises(ValueError, match="both be 2-D or both 3-D"):
+        ordered_linear(x[None], jnp.zeros((8, 3), jnp.bfloat16), mode="bf16")
+    with pytest.raises(ValueError, match="does not match"):
+        ordered_linear(x[None], jnp.zeros((2, 8, 3), jnp.bfloat16), mode="bf16")
     assert ordered_linear(x[:0], jnp.zeros((8, 3), jnp.bfloat16), mode="bf16").shape == (0, 3)
 
 
