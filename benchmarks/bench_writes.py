@@ -79,7 +79,7 @@ def staggered_starts(ctx: int, batch: int, next_n: int, kpool: int) -> list:
     return [ctx - next_n - (b % kpool) for b in range(batch)]
 
 
-def bench_decode(rng, batch, next_n, reps, impls, reps_xla, prefetch_variant=False):
+def bench_decode(rng, batch, next_n, reps, impls, reps_xla):
     cfg = IndexerConfig(num_spec_tokens=max(0, next_n - 1))
     ctx = 4 * 1152 - 8
     layout = CacheLayout(cfg, num_layers=1, num_blocks=batch * 6 + 2)
@@ -100,11 +100,6 @@ def bench_decode(rng, batch, next_n, reps, impls, reps_xla, prefetch_variant=Fal
                                                                          implementation=impl)
         res[impl], _ = time_chain(step, layout.allocate(0), *args, ape, *meta,
                                   reps=reps_xla if impl == "xla" else reps)
-    if prefetch_variant:                            # the kernel's opt-in variant, same chain
-        from pallas_kernels import decode_update as dk
-        s = layout.strides(0)
-        step = lambda c, k, g, a, sm, ts, p: dk.decode_update(c, s, k, g, a, sm, ts, p, prefetch=True)
-        res["pal-pf"], _ = time_chain(step, layout.allocate(0), *args, ape, *meta, reps=reps)
     return [("decode_update", f"B={batch} next_n={next_n}", res, nbytes)]
 
 
@@ -130,8 +125,6 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     ap.add_argument("--impls", default="pallas,triton,xla",
                     help="comma-separated implementations to time (default: pallas,triton,xla)")
-    ap.add_argument("--decode-prefetch", action="store_true",
-                    help="also time decode_update(prefetch=True) (row 'pal-pf')")
     ap.add_argument("--json", help="write the rows as JSON here")
     a = ap.parse_args(argv)
     impls = runnable_impls([s.strip() for s in a.impls.split(",") if s.strip()])
@@ -152,7 +145,7 @@ def main(argv=None):
     # limit cuts the run; the table below lists them in size order
     for b in ((4,) if a.quick else (256, 64, 1)):
         for n in (1, 4):
-            add(bench_decode(rng, b, n, reps_latency, impls, reps, prefetch_variant=a.decode_prefetch))
+            add(bench_decode(rng, b, n, reps_latency, impls, reps))
         if b == 256 or a.quick:
             for total in ((1024,) if a.quick else (32768, 131072, 4096)):
                 add(bench_prefill(rng, total, 4 if a.quick else 64, reps, impls, reps_latency))

@@ -1,8 +1,7 @@
 """Launch shapes of the write kernels write exactly the reference's bytes, on
 sentinel-filled caches: the seed kernel's request-ends mode (cost independent of
-the prompt length), the compression kernel's tile sizes (completions ranked
-inside the kernel, tiles cutting through pools and requests) and the decode
-kernel's prefetch variant."""
+the prompt length) and the compression kernel's tile sizes (completions ranked
+inside the kernel, tiles cutting through pools and requests)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
-from write_cases import CASES, assert_same_snapshots, ops_writers, random_workload, run_writes
 
 SENTINEL = 0x5A
 
@@ -93,26 +91,3 @@ def test_engine_request_ends_from_step_metadata_seed_the_same_bytes(rng):
                                    request_ends_tokens=prefill_row_ends(pos), implementation="pallas")).view(np.uint8)
     assert (want != SENTINEL).any()
     np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("cfg, lay", CASES[:2])
-def test_decode_prefetch_variant_matches_reference(rng, cfg, lay):
-    """decode_update(prefetch=True) (inputs loaded before the token loop, one barrier
-    per token) writes the reference's bytes: up to 2 * kpool tokens per request and
-    launch (several completions reading rows stashed earlier in the same launch),
-    ring = kpool and 2 * kpool, and a fifth of the tokens with an invalid tail slot or
-    pool slot (nothing to write there; spec B3 / B8)."""
-    from pallas_kernels import decode_update as dk
-    layout, sc, pre, steps, _ = random_workload(rng, cfg, lay)
-    for st in steps:
-        for name in ("tslot", "slot_mapping"):
-            v = np.array(st[name])
-            v[rng.random(v.shape) < 0.2] = -1
-            st[name] = v
-    want, want_snaps = run_writes(ops_writers("xla"), layout, lay["layer"], sc, pre, steps)
-    writers = ops_writers("xla")
-    writers["decode"] = lambda c, lay_, l, k, g, a, s, t, p: dk.decode_update(c, lay_.strides(l), k, g, a, s, t, p,
-                                                                              prefetch=True)
-    _, got_snaps = run_writes(writers, layout, lay["layer"], sc, pre, steps)
-    assert any((a != b).any() for a, b in zip(want_snaps[1:], want_snaps[:-1])), "the decode steps wrote nothing"
-    assert_same_snapshots(want_snaps, got_snaps)
