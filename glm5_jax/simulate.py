@@ -382,6 +382,8 @@ def _shard_summary(d, probes, rounds, st_shard, run_s) -> dict:
         watched_bytes=sum(e - a for pr in mine for a, e in pr["watched"]),
         bytes_changed=sum(pr["max_changed"] for pr in mine), pages_changed=sum(pr["changed_pages"] for pr in mine),
         first_change_step=min(changed) if changed else None,
+        evicted_after_step=min([pr["evicted_after_step"] for pr in mine if pr["evicted_after_step"] is not None],
+                               default=None),
         rehits_equal_control=all(x["outputs_equal"] and x["selected_equal"] for x in rr),
         rehit_pools_equal_control=all(x["pools_equal"] for x in rr),
         prompt_stayed_cached=bool(rr) and all(x["prompt_resident"] for x in rr),
@@ -400,6 +402,7 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
     shard in ``shards``."""
     import numpy as np
 
+    from .blocks import chain_hashes
     from .model import Decoder
 
     cfg = w.model_config
@@ -413,7 +416,14 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
     lay = eng.layout
     bar = _Progress(len(prompts) * (1 + 2 * w.rounds) + len(fillers), enabled=progress)
     probes = [dict(prompt=s, shard=None, blocks=[], watched=[], reader=None, max_changed=0,
-                   first_change_step=None, changed_pages=0) for s in range(len(prompts))]
+                   first_change_step=None, changed_pages=0, evicted_after_step=None) for s in range(len(prompts))]
+
+    def still_cached(e, s, pr) -> bool:
+        """Whether every watched block still holds prompt s's cached content: after an
+        eviction the pool may hand the block to another request, whose writes are
+        legitimate (the probe then stops; the report says when)."""
+        pool = e.block_pools[pr["shard"]]
+        return all(pool.cached_block_of(h) == b for h, b in zip(pr["hashes"], pr["blocks"]))
 
     def settle(pr):
         """Take in a probe's read started after an earlier step (if any)."""
@@ -436,11 +446,17 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
                 if out.num_computed_tokens >= len(prompts[s]) and out.status == "running":
                     pr["shard"] = out.shard
                     pr["blocks"] = e.request_blocks(prompt_id(s))[0][:len(prompts[s]) // bs]
+                    pr["hashes"] = list(chain_hashes(prompts[s], bs, None, len(pr["blocks"])))
                     pr["watched"] = [lay.block_byte_range(layer, b) for layer in range(lay.num_layers)
                                      for b in pr["blocks"]]
                     t = time.perf_counter()
                     pr["reader"] = _WatchedBytes(e, out.shard, pr["watched"], idx.page_bytes)
                     setup_s[0] += time.perf_counter() - t
+                continue
+            if pr["evicted_after_step"] is not None:
+                continue
+            if not still_cached(e, s, pr):          # evicted in this step: its bytes are no longer watched
+                pr["evicted_after_step"] = e.steps
                 continue
             pr["reader"].start(e)
         bar.update(e.num_finished(), f"step {e.steps}, {sum(p.evictions for p in e.block_pools)} evictions")
@@ -495,7 +511,10 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
         watched_blocks=[b for s in shards for b in s["watched_blocks"]],
         watched_bytes=sum(s["watched_bytes"] for s in shards),
         bytes_changed=sum(s["bytes_changed"] for s in shards), pages_changed=sum(s["pages_changed"] for s in shards),
-        first_change_step=min(changed) if changed else None, rounds=rounds, fillers=len(fillers),
+        first_change_step=min(changed) if changed else None,
+        evicted_after_step=min([s["evicted_after_step"] for s in shards if s["evicted_after_step"] is not None],
+                               default=None),
+        rounds=rounds, fillers=len(fillers),
         concurrency=w.concurrency, steps=st["steps"], compilations=st["compilations"],
         shapes=st["shapes"], evictions=st["evictions"], prefix_hit_tokens=st["hit_tokens"],
         processed_tokens=processed, generated_tokens=st["generated_tokens"], wall_s=wall,
@@ -546,7 +565,9 @@ def format_table(rep: dict) -> str:
         + ("   <-- CORRUPTION" if rep["bytes_changed"] else ""),
         f"  re-hits equal the cache_salt control (outputs + selected tokens): {yes(rep['rehits_equal_control'])}",
         f"  re-hit pools equal the control's recomputed pools: {yes(rep['rehit_pools_equal_control'])}",
-        f"  prompt stayed cached through every round: {yes(rep['prompt_stayed_cached'])}",
+        f"  prompt stayed cached through every round: {yes(rep['prompt_stayed_cached'])}"
+        + (f" (evicted after step {rep['evicted_after_step']}: watched until then)"
+           if rep["evicted_after_step"] is not None else ""),
         f"  {rep['processed_tokens']:,} tokens processed, {rep['generated_tokens']:,} generated in "
         f"{rep['wall_s']:.1f} s ({rep['compile_step_s']:.1f} s of it in compiling steps, "
         f"{rep['probe_setup_s']:.1f} s in the probe's setup): "

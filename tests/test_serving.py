@@ -305,6 +305,20 @@ def test_churn_probe_catches_dense_tail_stride_fault(rng):
     assert not rep["ok"]
 
 
+def test_probe_stops_watching_a_prompt_evicted_after_its_last_rehit():
+    """With one filler the planned pool is so small that the last round's control
+    takes the prompt's blocks after the re-hit (evicted, then rewritten: legitimate).
+    The probe used to count those writes as corruption; it now watches while the
+    blocks hold the prompt's cached content and reports when that ended."""
+    w = simulate.preset("cpu", fillers=1, rounds=1)
+    rep = simulate.run_workload(w)
+    assert rep["evictions"] > 0 and rep["prompt_stayed_cached"]
+    assert rep["evicted_after_step"] is not None, "the prompt was not evicted: the case no longer tests this"
+    assert rep["bytes_changed"] == 0 and rep["first_change_step"] is None
+    assert rep["ok"]
+    assert "evicted after step" in simulate.format_table(rep)
+
+
 def test_simulate_main_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as ei:
         simulate.main(["--fillers", "0"])
