@@ -135,11 +135,11 @@ _take_rows = jax.jit(_take_rows_impl, static_argnames=("mesh",))
 # Phases of Engine.step, in order; Engine.phase_seconds sums each over the steps that
 # did not compile. plan: admission and per-shard row planning; batch: the step's
 # metadata arrays built and put on the devices; dispatch: the jitted step call until
-# it returns (asynchronous); device_wait: until the next tokens reach the host;
-# fetch_selected: the recorded requests' selected tokens gathered on the devices and
-# their host copies started (they are not waited for); commit: results applied to
-# requests and block pools.
-STEP_PHASES = ("plan", "batch", "dispatch", "device_wait", "fetch_selected", "commit")
+# it returns (asynchronous); fetch_selected: the recorded requests' selected tokens
+# gathered on the devices and their host copies started (queued behind the step,
+# not waited for); device_wait: until the next tokens reach the host; commit:
+# results applied to requests and block pools.
+STEP_PHASES = ("plan", "batch", "dispatch", "fetch_selected", "device_wait", "commit")
 RECORD_LAG_STEPS = 2       # recorded rows reach the host at most this many steps after their step
 
 
@@ -567,10 +567,12 @@ class Engine:
                                                    mesh=self.mesh, contractions=inv.contractions())
             mark("dispatch")
             next_tok.copy_to_host_async()
-            next_tok = np.asarray(next_tok)                                  # [D, T]
-            mark("device_wait")
+            # the recorded rows' gather is queued behind the step before the host waits
+            # for it: its host side (row lists, the index array) overlaps the device
             sel = self._fetch_selected(plans, shape, selected)
             mark("fetch_selected")
+            next_tok = np.asarray(next_tok)                                  # [D, T]
+            mark("device_wait")
             traced = _TRACE_COUNT[0] - before
             self.compilations += traced
             if traced or _GATHER_TRACES[0] != gathers_before:
