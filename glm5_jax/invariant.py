@@ -11,7 +11,9 @@ m = 2 .. 33, bf16 dots differ at m = 1, and ``jnp.sum(x, -1)`` differs for m <= 
 into the same dot.
 
 So every contraction here is an explicit, fixed-order chain of elementwise
-operations over the contraction axis (a ``fori_loop``), whose products are exact:
+operations over the contraction axis (a ``fori_loop``, or on a GPU a Pallas kernel
+doing the same operations in the same order: ``CONTRACTIONS``), whose products are
+exact:
 
 * ``linear`` takes bf16 operands: a bf16 x bf16 product has at most 16
   significant bits, exact in f32, so an FMA and a multiply-then-add round the
@@ -39,14 +41,16 @@ from pallas_kernels import numerics as nm
 # ~52 ms (the long unrolled bodies run slower) and throughput fell from 11.1k to
 # 6.6k tokens/s. 8 stays; the unroll changes no bit either way.
 UNROLL = 8
-# Who runs linear / linear_f32: "xla" (the fori_loop chain above), "pallas" (one
-# kernel per projection, pallas_kernels/ordered_linear.py: the same operations in
-# the same order, so the same bits, with one launch instead of K / UNROLL loop
-# iterations) or "auto": "pallas" on a GPU, "xla" elsewhere (on the CPU the kernel
-# runs in interpret mode, far slower than the loop). Measured on the H200 (session
-# 5, bench_scaleout): the kernel halves a serving step's dispatch (26 -> 12 ms) and
-# serves 14 % more tokens/s on one GPU, 1.88x on two; its bits equal the chain's
-# (tests/test_gpu.py, and the engine test serving the same tokens and cache bytes).
+# Who runs the contractions (linear, linear_f32, batched_linear, sum_sq_last): "xla"
+# (the fori_loop chains here), "pallas" (one kernel per contraction,
+# pallas_kernels/ordered_linear.py and ordered_sumsq.py: the same operations in the
+# same order, so the same bits, with one launch instead of K / UNROLL host-launched
+# loop iterations) or "auto": "pallas" on a GPU, "xla" elsewhere (on the CPU the
+# kernels run in interpret mode, far slower than the loops). Measured on the H200
+# (session 5, bench_scaleout): with every contraction in a kernel a serving step's
+# dispatch falls from 26 to 1.1 ms and one GPU serves 34 % more tokens/s; the bits
+# equal the chains' (tests/test_gpu.py, and the engine test serving the same
+# tokens and cache bytes).
 CONTRACTIONS = "auto"
 CONTRACTION_MODES = ("auto", "xla", "pallas")
 # What "pallas" moves into kernels: "linear" (the projections, ordered_linear.py),
