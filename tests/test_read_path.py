@@ -583,23 +583,30 @@ def split_tokens(tokens, k, r):
     return ids, tokens[:, k * r:]
 
 
-@pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_select_tokens_vs_golden(rng, mode):
+def select_case(rng):
+    """Three random requests (200-400, 40-120 and 30 tokens) prefilled into a sentinel
+    cache by the reference: (config, layout, scenario, cache, lengths, page table
+    [3, pages]). Shared with tests/scripts/gpu_diag_s5.py."""
     cfg = IndexerConfig(block_size=512, topk=32)                    # P = 64, 8 pools, 35 columns
     layout = CacheLayout(cfg, num_layers=1, num_blocks=10)
-    r, k = cfg.kpool, cfg.topk_pools
     lengths = [int(rng.integers(200, 400)), int(rng.integers(40, 120)), 30]
     sc = Scenario.random(rng, layout, lengths)
     pre = sc.prefill(lengths)
     cache = jax.jit(ref.compress_prefill_strides, static_argnums=1)(
         layout.allocate(SENTINEL), layout.strides(0), jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]),
         jnp.asarray(sc.ape), jnp.asarray(pre["slot_mapping"]))
-    np.testing.assert_array_equal(golden_pools(sc)[1][0], sc.golden_pools(1)[0])   # the fast golden
     width = max(len(q.index_blocks) for q in sc.requests)
     bt = np.zeros((len(lengths), width), np.int64)
     for i, q in enumerate(sc.requests):
         bt[i, :len(q.index_blocks)] = q.index_blocks
-    table = md.page_table_pages(bt, cfg)
+    return cfg, layout, sc, cache, lengths, md.page_table_pages(bt, cfg)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_select_tokens_vs_golden(rng, mode):
+    cfg, layout, sc, cache, lengths, table = select_case(rng)
+    r, k = cfg.kpool, cfg.topk_pools
+    np.testing.assert_array_equal(golden_pools(sc)[1][0], sc.golden_pools(1)[0])   # the fast golden
     if mode == "decode":                                            # next_n = 4, non-uniform
         pos = decode_positions(rng, lengths, 4, counts=[4, 1, 3])
     else:                                                           # one request's prompt rows

@@ -23,14 +23,11 @@ from jax import lax
 sys.path.insert(0, "tests")
 import test_read_path as tr  # noqa: E402
 import test_serving as ts  # noqa: E402
-from glm5_jax import engine as eng_mod  # noqa: E402
 from glm5_jax import invariant as inv  # noqa: E402
-from glm5_jax import metadata as md  # noqa: E402
 from glm5_jax import ops  # noqa: E402
 from glm5_jax import reference as ref  # noqa: E402
 from glm5_jax.config import IndexerConfig  # noqa: E402
 from glm5_jax.layout import CacheLayout  # noqa: E402
-from glm5_jax.testing import Scenario  # noqa: E402
 from pallas_kernels.ordered_linear import ordered_linear  # noqa: E402
 
 SEEDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
@@ -61,20 +58,9 @@ def part1(seed):
 
 def part2(seed):
     rng = np.random.default_rng(seed)
-    cfg = IndexerConfig(block_size=512, topk=32)
-    layout = CacheLayout(cfg, num_layers=1, num_blocks=10)
+    cfg, layout, sc, cache, lengths, table = tr.select_case(rng)
     r, k = cfg.kpool, cfg.topk_pools
-    lengths = [int(rng.integers(200, 400)), int(rng.integers(40, 120)), 30]
-    sc = Scenario.random(rng, layout, lengths)
-    pre = sc.prefill(lengths)
-    cache = jax.jit(ref.compress_prefill_strides, static_argnums=1)(
-        layout.allocate(tr.SENTINEL), layout.strides(0), jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]),
-        jnp.asarray(sc.ape), jnp.asarray(pre["slot_mapping"]))
-    width = max(len(q.index_blocks) for q in sc.requests)
-    bt = np.zeros((len(lengths), width), np.int64)
-    for i, q in enumerate(sc.requests):
-        bt[i, :len(q.index_blocks)] = q.index_blocks
-    table = md.page_table_pages(bt, cfg)[:1]
+    table = table[:1]
     pos = np.arange(lengths[0], dtype=np.int32)[None, :]
     b, n = pos.shape
     q8, wf = tr.random_queries(rng, b, n, 16)
