@@ -64,6 +64,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.strides import WORD_BYTES
+
 from . import invariant as inv
 from . import metadata as md
 from . import ops
@@ -698,6 +700,19 @@ class Engine:
                            layout=self.layout, implementation=self.implementation, fault=self.fault,
                            mesh=self.mesh, contractions=inv.contractions())
 
+    def _blocks_image(self, shard: int, blocks) -> np.ndarray:
+        """uint32[total_words] host image of one shard's cache that holds the bytes of
+        `blocks` (indexer pages with their tail ring and attention K/V, every layer)
+        and zeros elsewhere: only those words leave the device, not the whole cache
+        (gigabytes on a GPU-sized layout)."""
+        lay = self.layout
+        spans = [rng for layer in range(lay.num_layers) for b in blocks
+                 for rng in (lay.block_byte_range(layer, b), lay.attn_block_byte_range(layer, b))]
+        words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in spans if e > a])
+        image = np.zeros(lay.total_bytes // WORD_BYTES, np.uint32)       # untouched pages stay unallocated
+        image[words] = sharding.host_words(self._live_cache(), shard, words)
+        return image
+
     def cache_bytes(self, shard: int = 0) -> np.ndarray:
         """A host copy of one shard's flat cache as bytes (read from that device only)."""
         return sharding.host_shard(self._live_cache(), shard).view(np.uint8)
@@ -736,7 +751,7 @@ class Engine:
         index_blocks, tail_block = self.request_blocks(request_id)
         c, lay = self.config, self.layout
         nc = req.num_computed_tokens
-        cache = self.cache_bytes(req.shard).view(np.uint32)
+        cache = self._blocks_image(req.shard, sorted(set(index_blocks) | {tail_block}))
         pages = md.page_table_pages(np.asarray([index_blocks]), c)
         n_pools = nc // c.kpool
         pool_pos = np.arange(n_pools) * c.kpool + c.kpool - 1

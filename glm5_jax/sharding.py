@@ -128,6 +128,26 @@ def device_shard(cache, shard: int):
     return _row_of(cache, shard)
 
 
+def host_words(cache, shard: int, words) -> np.ndarray:
+    """cache[shard, words] on the host (uint32[n]): only those words leave the device.
+    ``words`` are global word addresses (numpy int64); the gather indexes the
+    [rows, VIEW_COLS] view, so caches past 2**31 words work."""
+    from pallas_kernels.addressing import view_row_col
+    rows, cols = view_row_col(np.asarray(words, np.int64))
+    row = _row_of(cache, shard)
+    device = next(iter(row.devices()))
+    rows, cols = jax.device_put((rows.astype(np.int32), cols.astype(np.int32)), device)
+    return np.asarray(gather_view_words(row, rows, cols))
+
+
+@jax.jit
+def gather_view_words(cache, rows, cols):
+    """cache (any shape, uint32) seen as [rows, VIEW_COLS] words, at (rows, cols): on
+    the device, int32 indices for any cache size."""
+    from pallas_kernels.strides import VIEW_COLS
+    return cache.reshape(-1, VIEW_COLS)[rows, cols]
+
+
 # ---------------------------------------------------------------------------------
 # running single-device code on every shard
 # ---------------------------------------------------------------------------------

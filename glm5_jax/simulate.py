@@ -352,9 +352,8 @@ def _jitted():
     if not _JITTED:
         import jax
 
-        from pallas_kernels.strides import VIEW_COLS
-        _JITTED.extend([jax.jit(lambda c, r, k: c.reshape(-1, VIEW_COLS)[r, k]),
-                        jax.jit(_changed_counts, static_argnames=("page_bytes",))])
+        from . import sharding
+        _JITTED.extend([sharding.gather_view_words, jax.jit(_changed_counts, static_argnames=("page_bytes",))])
     return _JITTED
 
 

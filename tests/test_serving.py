@@ -22,6 +22,7 @@ from glm5_jax.config import IndexerConfig
 from glm5_jax.engine import Engine
 from glm5_jax.model import Decoder, ModelConfig
 from glm5_jax.step_metadata import BucketMins, RowSpec, bucket, build_step, choose_shape
+from pallas_kernels import addressing as addr
 
 MODEL_CFG = ModelConfig()                       # hidden 256, 2 layers, vocab 512, topk 64, blocks of 64
 NB = 18
@@ -303,6 +304,39 @@ def test_churn_probe_catches_dense_tail_stride_fault(rng):
     assert rep["prompt_stayed_cached"]
     assert rep["bytes_changed"] > 0 and rep["pages_changed"] > 0, "the probe missed the injected fault"
     assert not rep["ok"]
+
+
+def test_request_snapshot_reads_only_the_request_blocks(rng, monkeypatch):
+    """request_snapshot brings only the request's blocks to the host (not the whole
+    shard) and returns exactly what a whole-cache copy gives, with random garbage in
+    every other block; the words it gathers lie in the request's blocks."""
+    from glm5_jax import sharding
+    e = make_engine(random_model(rng), rng)
+    for i in range(3):
+        e.add_request(f"r{i}", tokens(rng, int(rng.integers(70, 150))), 50)
+    for _ in range(4):
+        e.step()
+    assert all(e.get_output(f"r{i}").status == "running" for i in range(3))
+    asked = []
+    real = sharding.host_words
+    monkeypatch.setattr(sharding, "host_words", lambda c, s, w: asked.append(np.asarray(w)) or real(c, s, w))
+    for i in range(3):
+        rid = f"r{i}"
+        got = e.request_snapshot(rid)
+        index_blocks, tail_block = e.request_blocks(rid)
+        owned = set(index_blocks) | {tail_block}
+        lay, words = e.layout, asked.pop()
+        per_block = sum(np.subtract(*lay.block_byte_range(l, 1)[::-1]) + np.subtract(*lay.attn_block_byte_range(l, 1)[::-1])
+                        for l in range(lay.num_layers)) // 4
+        assert words.size == len(owned) * per_block < lay.total_bytes // 4, rid
+        index_blocks_read = {hit[0] for w in words for layer in range(lay.num_layers)
+                             if (hit := addr.index_block_of_byte(lay.strides(layer), int(w) * 4)) is not None}
+        assert index_blocks_read == owned, f"{rid}: read indexer blocks {index_blocks_read}, owns {owned}"
+        with monkeypatch.context() as m:                  # the same snapshot from a whole-cache copy
+            m.setattr(e, "_blocks_image", lambda shard, blocks: e.cache_bytes(shard).view(np.uint32))
+            want = e.request_snapshot(rid)
+        assert_same_bytes(got, want, rid)
+        assert got["index_blocks"] == want["index_blocks"] and got["tail_block"] == want["tail_block"]
 
 
 def test_probe_stops_watching_a_prompt_evicted_after_its_last_rehit():
