@@ -72,10 +72,9 @@ def workload(a, devices: int, num_blocks=None) -> simulate.Workload:
 
 def main(argv=None) -> int:
     a, counts = parse(argv)
-    if a.contractions is not None:
-        from glm5_jax import invariant
-        invariant.CONTRACTIONS = a.contractions
     from glm5_jax import invariant
+    if a.contractions is not None:
+        invariant.CONTRACTIONS = a.contractions
     if a.kernels is not None:
         invariant.PALLAS_KERNELS = tuple(a.kernels.split(","))
     how = invariant.contractions()

@@ -706,9 +706,9 @@ class Engine:
         and zeros elsewhere: only those words leave the device, not the whole cache
         (gigabytes on a GPU-sized layout)."""
         lay = self.layout
-        spans = [rng for layer in range(lay.num_layers) for b in blocks
-                 for rng in (lay.block_byte_range(layer, b), lay.attn_block_byte_range(layer, b))]
-        words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in spans if e > a])
+        byte_spans = [span for layer in range(lay.num_layers) for b in blocks
+                      for span in (lay.block_byte_range(layer, b), lay.attn_block_byte_range(layer, b))]
+        words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in byte_spans if e > a])
         image = np.zeros(lay.total_bytes // WORD_BYTES, np.uint32)       # untouched pages stay unallocated
         image[words] = sharding.host_words(self._live_cache(), shard, words)
         return image

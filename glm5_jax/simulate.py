@@ -417,8 +417,8 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
     probes = [dict(prompt=s, shard=None, blocks=[], watched=[], reader=None, max_changed=0,
                    first_change_step=None, changed_pages=0, evicted_after_step=None) for s in range(len(prompts))]
 
-    def still_cached(e, s, pr) -> bool:
-        """Whether every watched block still holds prompt s's cached content: after an
+    def still_cached(e, pr) -> bool:
+        """Whether every watched block still holds its prompt's cached content: after an
         eviction the pool may hand the block to another request, whose writes are
         legitimate (the probe then stops; the report says when)."""
         pool = e.block_pools[pr["shard"]]
@@ -454,7 +454,7 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
                 continue
             if pr["evicted_after_step"] is not None:
                 continue
-            if not still_cached(e, s, pr):          # evicted in this step: its bytes are no longer watched
+            if not still_cached(e, pr):          # evicted in this step: its bytes are no longer watched
                 pr["evicted_after_step"] = e.steps
                 continue
             pr["reader"].start(e)

@@ -78,7 +78,9 @@ def _kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, bm: int, bn: int, mo
     B.scatter(o_ref, r2, c2, acc, (rows < m) & (cols < n))
 
 
-def _pow2_at_most(v: int, cap: int, floor: int = 16) -> int:
+def _tile_side(v: int, cap: int, floor: int = 16) -> int:
+    """The smallest power of two >= v, kept within [floor, cap]: a tile side that
+    covers a small M or N without idle lanes beyond the next power of two."""
     p = floor
     while p < cap and p < v:
         p *= 2
@@ -114,7 +116,7 @@ def ordered_linear(x, w, *, mode: str, interpret=None, tile=None, num_warps: int
     shape = (g, m, n) if batched else (m, n)
     if g == 0 or m == 0 or n == 0 or k == 0:
         return jnp.zeros(shape, jnp.float32)
-    bm, bn = tile if tile is not None else (_pow2_at_most(m, TILE_ROWS), _pow2_at_most(n, TILE_COLS))
+    bm, bn = tile if tile is not None else (_tile_side(m, TILE_ROWS), _tile_side(n, TILE_COLS))
     out = B.pallas_call(
         functools.partial(_kernel, m=m, n=n, k=k, bm=bm, bn=bn, mode=mode, wt=w_transposed, unroll=unroll),
         grid=(g, -(-m // bm), -(-n // bn)),

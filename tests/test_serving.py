@@ -326,9 +326,9 @@ def test_request_snapshot_reads_only_the_request_blocks(rng, monkeypatch):
         index_blocks, tail_block = e.request_blocks(rid)
         owned = set(index_blocks) | {tail_block}
         lay, words = e.layout, asked.pop()
-        per_block = sum(np.subtract(*lay.block_byte_range(l, 1)[::-1]) + np.subtract(*lay.attn_block_byte_range(l, 1)[::-1])
-                        for l in range(lay.num_layers)) // 4
-        assert words.size == len(owned) * per_block < lay.total_bytes // 4, rid
+        block_words = sum(e_ - a_ for layer in range(lay.num_layers)
+                          for a_, e_ in (lay.block_byte_range(layer, 1), lay.attn_block_byte_range(layer, 1))) // 4
+        assert words.size == len(owned) * block_words < lay.total_bytes // 4, rid
         index_blocks_read = {hit[0] for w in words for layer in range(lay.num_layers)
                              if (hit := addr.index_block_of_byte(lay.strides(layer), int(w) * 4)) is not None}
         assert index_blocks_read == owned, f"{rid}: read indexer blocks {index_blocks_read}, owns {owned}"
@@ -344,7 +344,7 @@ def test_probe_stops_watching_a_prompt_evicted_after_its_last_rehit():
     takes the prompt's blocks after the re-hit (evicted, then rewritten: legitimate).
     The probe used to count those writes as corruption; it now watches while the
     blocks hold the prompt's cached content and reports when that ended."""
-    w = simulate.preset("cpu", fillers=1, rounds=1)
+    w = simulate.preset("cpu", fillers=1, rounds=1)     # the preset's fixed seed: a workload that evicts
     rep = simulate.run_workload(w)
     assert rep["evictions"] > 0 and rep["prompt_stayed_cached"]
     assert rep["evicted_after_step"] is not None, "the prompt was not evicted: the case no longer tests this"
