@@ -50,6 +50,8 @@ def parse(argv):
     ap.add_argument("--kernels", default=None,
                     help="with pallas contractions, which ones run as kernels: a comma list of "
                          "linear, attention, norms (glm5_jax.invariant.PALLAS_KERNELS; default: all)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="Engine(async_scheduling=True): plan and dispatch step i+1 before waiting for step i")
     ap.add_argument("--json", help="write the results as JSON here")
     a = ap.parse_args(argv)
     if a.kernels is not None:
@@ -67,6 +69,7 @@ def workload(a, devices: int, num_blocks=None) -> simulate.Workload:
     over = dict(GPU_OVERRIDES) if a.preset == "gpu" else {}
     over.update({k: v for k, v in dict(fillers=a.fillers, rounds=a.rounds, concurrency=a.concurrency).items()
                  if v is not None})
+    over["async_scheduling"] = a.async_scheduling
     return simulate.preset(a.preset, devices=devices, num_blocks=num_blocks, **over)
 
 
@@ -81,7 +84,8 @@ def main(argv=None) -> int:
     if how == "pallas":
         how += f" ({', '.join(invariant.PALLAS_KERNELS)})"
     print(f"bench_scaleout: {jax.default_backend()} {jax.devices()[0].device_kind} x {jax.device_count()}, "
-          f"device counts {counts}, preset {a.preset}, contractions by {how}", flush=True)
+          f"device counts {counts}, preset {a.preset}, contractions by {how}"
+          f"{', asynchronous scheduling' if a.async_scheduling else ''}", flush=True)
     try:
         base = workload(a, 1)
         model = Decoder.random(base.model_config, seed=base.seed)
@@ -135,6 +139,7 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
                            preset=a.preset, num_blocks=num_blocks, goal=a.goal, contractions=how,
+                           async_scheduling=a.async_scheduling,
                            workload=dataclasses.asdict(workload(a, 1)),
                            rows=rows, ok=ok), f, indent=2)
     return 0 if ok else 1

@@ -62,6 +62,7 @@ class Workload:
     implementation: str | None = None
     pin_buckets: bool = True               # one compiled shape (CPU: compile once)
     devices: int = 1                       # device shards; everything above is per device
+    async_scheduling: bool = False         # Engine(async_scheduling=...): plan step i+1 while step i runs
 
     def __post_init__(self):
         if self.fault is not None and self.fault not in FAULTS:
@@ -232,7 +233,7 @@ def engine_for(w: Workload, model, num_blocks: int, mesh, *, dry_run: bool = Fal
     return Engine(model, num_blocks, mesh=mesh, max_running_requests=w.concurrency,
                   max_prefill_requests=w.max_prefill_requests, prefill_chunk_tokens=w.prefill_chunk_tokens,
                   bucket_mins=mins, implementation=w.implementation, fault=w.fault, record=compared,
-                  snapshot_on_finish=compared, dry_run=dry_run)
+                  snapshot_on_finish=compared, dry_run=dry_run, async_scheduling=w.async_scheduling)
 
 
 def draw_requests(w: Workload):
@@ -505,6 +506,7 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
     changed = [s["first_change_step"] for s in shards if s["first_change_step"] is not None]
     report = dict(
         device=_backend(), devices=eng.num_shards, implementation=eng.implementation, fault=w.fault,
+        async_scheduling=eng.async_scheduling,
         seed=w.seed, layers=lay.num_layers, num_blocks=num_blocks, block_size_tokens=bs, kpool=idx.kpool,
         topk_tokens=idx.topk, prompt_tokens=w.prompt_tokens,
         watched_blocks=[b for s in shards for b in s["watched_blocks"]],
@@ -536,7 +538,8 @@ def format_table(rep: dict) -> str:
     yes = lambda b: "yes" if b else "NO"                                          # noqa: E731
     lines = [
         f"kpool cache probe (spec 6.1): {rep['device']} x {rep['devices']}, implementation "
-        f"{rep['implementation']}, fault {rep['fault'] or 'none'}, seed {rep['seed']}",
+        f"{rep['implementation']}, fault {rep['fault'] or 'none'}, seed {rep['seed']}"
+        + (", asynchronous scheduling" if rep.get("async_scheduling") else ""),
         f"  {rep['layers']} layers x {rep['num_blocks']} blocks of {rep['block_size_tokens']} tokens per device, "
         f"kpool {rep['kpool']}, topk {rep['topk_tokens']} tokens; {rep['devices']} prompt(s) of "
         f"{rep['prompt_tokens']} tokens, {rep['fillers']} fillers, concurrency {rep['concurrency']} per device",
@@ -608,11 +611,14 @@ def main(argv=None) -> int:
                    help="devices, one cache shard each; the workload is per device (weak scaling, default 1)")
     p.add_argument("--implementation", choices=("xla", "pallas"), default=None,
                    help="default: pallas on GPU, xla elsewhere")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan and dispatch each step before waiting for the previous one's tokens "
+                        "(Engine(async_scheduling=True))")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
     over = {k: v for k, v in dict(fillers=args.fillers, rounds=args.rounds, concurrency=args.concurrency,
                                    prompt_tokens=args.prompt_tokens, num_blocks=args.num_blocks,
-                                   devices=args.devices).items()
+                                   devices=args.devices, async_scheduling=args.async_scheduling or None).items()
             if v is not None}
     if args.device == "gpu" and _backend() != "gpu":
         print(f"simulate: note: the gpu preset on a {_backend()} backend is slow (minutes to hours)",
