@@ -50,8 +50,9 @@ def parse(argv):
     ap.add_argument("--kernels", default=None,
                     help="with pallas contractions, which ones run as kernels: a comma list of "
                          "linear, attention, norms (glm5_jax.invariant.PALLAS_KERNELS; default: all)")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="Engine(async_scheduling=True): plan and dispatch step i+1 before waiting for step i")
+    ap.add_argument("--async-scheduling", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
+                    help="Engine(async_scheduling=N): plan and dispatch step i+1 before waiting for step i+1-N "
+                         "(N steps in flight; 1 without a value)")
     ap.add_argument("--json", help="write the results as JSON here")
     a = ap.parse_args(argv)
     if a.kernels is not None:
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
         how += f" ({', '.join(invariant.PALLAS_KERNELS)})"
     print(f"bench_scaleout: {jax.default_backend()} {jax.devices()[0].device_kind} x {jax.device_count()}, "
           f"device counts {counts}, preset {a.preset}, contractions by {how}"
-          f"{', asynchronous scheduling' if a.async_scheduling else ''}", flush=True)
+          f"{f', asynchronous scheduling ({a.async_scheduling} in flight)' if a.async_scheduling else ''}", flush=True)
     try:
         base = workload(a, 1)
         model = Decoder.random(base.model_config, seed=base.seed)

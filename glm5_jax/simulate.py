@@ -62,7 +62,7 @@ class Workload:
     implementation: str | None = None
     pin_buckets: bool = True               # one compiled shape (CPU: compile once)
     devices: int = 1                       # device shards; everything above is per device
-    async_scheduling: bool = False         # Engine(async_scheduling=...): plan step i+1 while step i runs
+    async_scheduling: int = 0              # Engine(async_scheduling=...): steps kept in flight while planning
 
     def __post_init__(self):
         if self.fault is not None and self.fault not in FAULTS:
@@ -539,7 +539,8 @@ def format_table(rep: dict) -> str:
     lines = [
         f"kpool cache probe (spec 6.1): {rep['device']} x {rep['devices']}, implementation "
         f"{rep['implementation']}, fault {rep['fault'] or 'none'}, seed {rep['seed']}"
-        + (", asynchronous scheduling" if rep.get("async_scheduling") else ""),
+        + (f", asynchronous scheduling ({rep['async_scheduling']} step(s) in flight)"
+           if rep.get("async_scheduling") else ""),
         f"  {rep['layers']} layers x {rep['num_blocks']} blocks of {rep['block_size_tokens']} tokens per device, "
         f"kpool {rep['kpool']}, topk {rep['topk_tokens']} tokens; {rep['devices']} prompt(s) of "
         f"{rep['prompt_tokens']} tokens, {rep['fillers']} fillers, concurrency {rep['concurrency']} per device",
@@ -611,9 +612,9 @@ def main(argv=None) -> int:
                    help="devices, one cache shard each; the workload is per device (weak scaling, default 1)")
     p.add_argument("--implementation", choices=("xla", "pallas"), default=None,
                    help="default: pallas on GPU, xla elsewhere")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
                    help="plan and dispatch each step before waiting for the previous one's tokens "
-                        "(Engine(async_scheduling=True))")
+                        "(Engine(async_scheduling=N): N steps in flight, 1 without a value)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
     over = {k: v for k, v in dict(fillers=args.fillers, rounds=args.rounds, concurrency=args.concurrency,

@@ -538,7 +538,7 @@ def test_projection_kernel_changes_no_byte(rng, monkeypatch):
 def _waves(rng):
     """Two waves of requests: prompts of 5..250 tokens (longer than a chunk: several
     prefill steps), then a re-hit of the first wave's longest prompt and two more."""
-    first = [(f"a{i}", tokens(rng, int(rng.integers(5, 251))), int(rng.integers(1, 9))) for i in range(5)]
+    first = [(f"a{i}", tokens(rng, int(rng.integers(5, 251))), int(rng.integers(1, 9))) for i in range(4)]
     longest = max(first, key=lambda r: len(r[1]))[1]
     second = [("hit", longest[:BS + int(rng.integers(1, BS))] if len(longest) > BS + 1 else longest, 5),
               ("b0", tokens(rng, int(rng.integers(5, 200))), int(rng.integers(1, 9))),
@@ -547,46 +547,52 @@ def _waves(rng):
 
 
 def test_async_scheduling_serves_the_same_tokens_and_bytes(rng, monkeypatch):
-    """An async engine (each step dispatched before the previous one's tokens reach the
-    host; decode inputs read on the device) serves the same tokens, selections and
-    cache bytes as the synchronous engine; its results show up one step() later."""
+    """Async engines with one and two steps in flight (each step dispatched before the
+    previous one's tokens reach the host; decode inputs read on the device) serve the
+    same tokens, selections and cache bytes as the synchronous engine; results show
+    up one step() later per step in flight."""
     model = random_model(rng)
     first, second = _waves(rng)
     lag_prompt = tokens(rng, 40)
-    srcs = []                                      # device-sourced decode inputs per async step
+    srcs = {1: [], 2: []}                          # device-sourced decode inputs per async step
     real_batch = Engine._batch
 
     def spy(self, shape, plans):
         if self.async_scheduling:
-            srcs.append(sum(s >= 0 for p in plans for s in p.dec_src))
+            srcs[self.async_scheduling].append(sum(s >= 0 for p in plans for s in p.dec_src))
         return real_batch(self, shape, plans)
     monkeypatch.setattr(Engine, "_batch", spy)
     outs, engines = [], []
-    for mode in (False, True):
+    for mode in (0, 1, 2):
         e = make_engine(model, rng, record=True, snapshot_on_finish=True, async_scheduling=mode)
         e.add_request("lag", lag_prompt, 3)
-        e.step()                                   # a one-chunk prompt: its first token is sampled now
-        assert e.get_output("lag").num_computed_tokens == 40
-        assert len(e.get_output("lag").output_tokens) == (0 if mode else 1)
+        for calls in range(mode + 1):              # a one-chunk prompt: its first token is sampled at once
+            assert len(e.get_output("lag").output_tokens) == 0
+            e.step()
+            assert e.get_output("lag").num_computed_tokens == 40 + calls
+        assert len(e.get_output("lag").output_tokens) == 1       # the prefill step's token, `mode` calls late
         for wave in (first, second):
             for r in wave:
                 e.add_request(*r)
             e.run()
-        assert not e.has_unfinished() and e._inflight is None
+        assert not e.has_unfinished() and not e._inflight
         e.block_pool.check_invariants()
         outs.append(e.outputs)
         engines.append(e)
-    assert engines[1].compilations == 0            # the synchronous engine's compiled step, reused
-    assert sum(srcs) > 0 and len(srcs) == engines[1].steps
+    for depth in (1, 2):
+        assert engines[depth].compilations == 0    # the synchronous engine's compiled step, reused
+        assert sum(srcs[depth]) > 0 and len(srcs[depth]) == engines[depth].steps
     assert outs[1]["hit"].num_cached_tokens == outs[0]["hit"].num_cached_tokens >= BS
     for rid, a in outs[0].items():
-        b = outs[1][rid]
-        assert a.finished and b.finished and a.output_tokens == b.output_tokens, rid
-        assert a.num_cached_tokens == b.num_cached_tokens, rid
-        assert a.predicted_tokens == b.predicted_tokens and sorted(a.selected_tokens) == sorted(b.selected_tokens)
-        # as sets: a step whose every row is short takes the short-context path (another order)
-        assert_same_selection(a.selected_tokens, b.selected_tokens, sorted(a.selected_tokens), f"{rid}: async")
-        assert_same_bytes(a.snapshot, b.snapshot, f"{rid}: sync vs async")
+        for depth in (1, 2):
+            b = outs[depth][rid]
+            what = f"{rid}: sync vs {depth} step(s) in flight"
+            assert a.finished and b.finished and a.output_tokens == b.output_tokens, what
+            assert a.num_cached_tokens == b.num_cached_tokens, what
+            assert a.predicted_tokens == b.predicted_tokens and sorted(a.selected_tokens) == sorted(b.selected_tokens)
+            # as sets: a step whose every row is short takes the short-context path (another order)
+            assert_same_selection(a.selected_tokens, b.selected_tokens, sorted(a.selected_tokens), what)
+            assert_same_bytes(a.snapshot, b.snapshot, what)
 
 
 def test_async_scheduling_abort_in_flight_and_dry_run():
@@ -597,7 +603,7 @@ def test_async_scheduling_abort_in_flight_and_dry_run():
     rng = np.random.default_rng(0)
     reqs = [(f"r{i}", tokens(rng, int(rng.integers(5, 300))), int(rng.integers(1, 12))) for i in range(9)]
     finished = {}
-    for mode in (False, True):
+    for mode in (0, 1, 2):
         e = Engine(model, NB, max_running_requests=4, dry_run=True, async_scheduling=mode)
         for r in reqs:
             e.add_request(*r)
@@ -612,7 +618,10 @@ def test_async_scheduling_abort_in_flight_and_dry_run():
             assert e.get_output(rid).finished and len(e.get_output(rid).output_tokens) == new, rid
         e.block_pool.check_invariants()
         assert e.block_pool.num_free_blocks == NB - 1
-    assert e.get_output("r0").status == "aborted" and "r0" not in finished[True]
-    assert sorted(finished[True]) == sorted(r for r, *_ in reqs[1:])
+        if mode:
+            assert e.get_output("r0").status == "aborted" and "r0" not in finished[mode]
+            assert sorted(finished[mode]) == sorted(r for r, *_ in reqs[1:])
     with pytest.raises(ValueError, match="async_scheduling needs next_n = 1"):
         Engine(Decoder.random(SPEC_CFG, seed=0), NB, next_n=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling must be"):
+        Engine(model, NB, async_scheduling=3)
