@@ -155,6 +155,7 @@ _take_rows = jax.jit(_take_rows_impl, static_argnames=("mesh",))
 # results applied to requests and block pools.
 STEP_PHASES = ("plan", "batch", "dispatch", "fetch_selected", "device_wait", "commit")
 RECORD_LAG_STEPS = 2       # recorded rows reach the host at most this many steps after their step
+#                            (plus one per step kept in flight beyond the first: asynchronous scheduling)
 
 
 def total_traces() -> int:
@@ -717,8 +718,9 @@ class Engine:
         leave the devices (gathered there first: the whole [D, L, T, W] array is ~34
         MB per device for a 2,064-token step and W = 2,051), and the step does not
         wait for them: the copy runs in the background and is read when a request's
-        output is (``get_output``), or after RECORD_LAG_STEPS steps at the latest."""
-        self._settle_fetches(RECORD_LAG_STEPS)
+        output is (``get_output``), or after RECORD_LAG_STEPS steps at the latest (with
+        two steps in flight one more: the step two back may still be running)."""
+        self._settle_fetches(RECORD_LAG_STEPS + max(self.async_scheduling - 1, 0))
         rows = [self._recorded_rows(p, shape) for p in plans]
         if not any(rows):
             return None

@@ -32,6 +32,7 @@ evictions per device, and their totals. ``--inject-fault dense-tail-stride`` ser
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import sys
@@ -317,14 +318,14 @@ class _WatchedBytes:
         rows, cols = view_row_col(words)                                                      # [n] each
         self.rows, self.cols = jax.device_put((rows.astype(np.int32), cols.astype(np.int32)), device)
         self._page_bytes = page_bytes
-        self._pending = None
+        self._pending = collections.deque()          # started reads, oldest first
         self.snapshot = _jitted()[0](sharding.device_shard(eng.cache, shard), self.rows, self.cols)  # [n] u32
         self.start(eng)                      # compiles the compare now (setup), not in a later step
         self.finish()
 
     @property
-    def pending(self) -> bool:
-        return self._pending is not None
+    def pending(self) -> int:
+        return len(self._pending)
 
     def start(self, eng):
         """Compare the watched bytes as they are now (after step ``eng.steps``) with the
@@ -334,12 +335,13 @@ class _WatchedBytes:
         counts = _jitted()[1](sharding.device_shard(eng.cache, self.shard), self.rows, self.cols,
                               self.snapshot, page_bytes=self._page_bytes)
         counts.copy_to_host_async()
-        self._pending = (counts, eng.steps)
+        self._pending.append((counts, eng.steps))
 
     def finish(self) -> tuple:
-        """(bytes changed, pages changed, the step they were read after) of the last `start`."""
+        """(bytes changed, pages changed, the step they were read after) of the oldest
+        `start` not yet finished."""
         import numpy as np
-        (counts, step), self._pending = self._pending, None
+        counts, step = self._pending.popleft()
         out = np.asarray(counts)
         return int(out[0]), int(out[1]), step
 
@@ -425,22 +427,23 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
         pool = e.block_pools[pr["shard"]]
         return all(pool.cached_block_of(h) == b for h, b in zip(pr["hashes"], pr["blocks"]))
 
-    def settle(pr):
-        """Take in a probe's read started after an earlier step (if any)."""
-        if pr["reader"] is None or not pr["reader"].pending:
-            return
-        changed, pages, step = pr["reader"].finish()
-        if changed and pr["first_change_step"] is None:
-            pr["first_change_step"] = step
-        pr["max_changed"] = max(pr["max_changed"], changed)
-        pr["changed_pages"] = max(pr["changed_pages"], pages)
+    def settle(pr, keep=0):
+        """Take in a probe's reads started after earlier steps, all but the newest `keep`."""
+        while pr["reader"] is not None and pr["reader"].pending > keep:
+            changed, pages, step = pr["reader"].finish()
+            if changed and pr["first_change_step"] is None:
+                pr["first_change_step"] = step
+            pr["max_changed"] = max(pr["max_changed"], changed)
+            pr["changed_pages"] = max(pr["changed_pages"], pages)
 
     def on_step(e):
         # The reads started after the previous step ran on the devices while this step
         # was dispatched: taking them in now costs no wait. Then every shard's read of
         # the cache as this step left it starts, to be taken in after the next step.
+        # With N steps in flight the host has waited only for the step N calls back:
+        # the newest N - 1 reads stay pending (taking them in would wait for the devices).
         for s, pr in enumerate(probes):
-            settle(pr)
+            settle(pr, keep=max(e.async_scheduling - 1, 0))
             if pr["reader"] is None:
                 out = e.get_output(prompt_id(s))
                 if out.num_computed_tokens >= len(prompts[s]) and out.status == "running":
