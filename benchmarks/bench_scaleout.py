@@ -13,7 +13,8 @@ uses the same pool size per device (the largest of the sizes the planner picks
 for each N) and one pinned step shape, so a device does the same work per step
 whatever N is. Throughput = tokens processed (prompt + decode rows) / run time
 without the steps that compiled; the ratio to one device is the weak-scaling
-speed-up (ideal: N). Exit code 0 when the largest N reaches ``--goal`` x one
+speed-up (ideal: N). The engine keeps 2 steps in flight by default
+(``--async-scheduling``; 0 measures the synchronous engine). Exit code 0 when the largest N reaches ``--goal`` x one
 device and every probe passed, 1 otherwise, 2 for bad arguments.
 """
 from __future__ import annotations
@@ -50,9 +51,10 @@ def parse(argv):
     ap.add_argument("--kernels", default=None,
                     help="with pallas contractions, which ones run as kernels: a comma list of "
                          "linear, attention, norms (glm5_jax.invariant.PALLAS_KERNELS; default: all)")
-    ap.add_argument("--async-scheduling", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
+    ap.add_argument("--async-scheduling", type=int, nargs="?", const=1, default=2, choices=(0, 1, 2),
                     help="Engine(async_scheduling=N): plan and dispatch step i+1 before waiting for step i+1-N "
-                         "(N steps in flight; 1 without a value)")
+                         "(N steps in flight; 1 without a value; default 2, the serving configuration; "
+                         "0 = the synchronous engine)")
     ap.add_argument("--json", help="write the results as JSON here")
     a = ap.parse_args(argv)
     if a.kernels is not None:
