@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 
 import jax
@@ -151,8 +152,9 @@ _take_rows = jax.jit(_take_rows_impl, static_argnames=("mesh",))
 # metadata arrays built and put on the devices; dispatch: the jitted step call until
 # it returns (asynchronous); fetch_selected: the recorded requests' selected tokens
 # gathered on the devices and their host copies started (queued behind the step,
-# not waited for); device_wait: until the next tokens reach the host; commit:
-# results applied to requests and block pools.
+# not waited for); device_wait: until the next tokens reach the host (with
+# asynchronous scheduling: the tokens of the oldest step in flight, while the new
+# step is queued behind it); commit: results applied to requests and block pools.
 STEP_PHASES = ("plan", "batch", "dispatch", "fetch_selected", "device_wait", "commit")
 RECORD_LAG_STEPS = 2       # recorded rows reach the host at most this many steps after their step
 #                            (plus one per step kept in flight beyond the first: asynchronous scheduling)
@@ -181,7 +183,7 @@ class _Request:
     # the first position's row (the n rows are consecutive), greedy next tokens [n]);
     # turned into dicts only when read
     records: list = dataclasses.field(default_factory=list)
-    snapshot: dict | None = None
+    snapshot: "_Deferred | None" = None                          # request_snapshot at finish
     shard: int | None = None                                     # placed at admission
     proposed_drafts: int = 0
     accepted_drafts: int = 0
@@ -211,6 +213,26 @@ class _Request:
     def num_generated(self) -> int:
         """Output tokens on the host plus those of dispatched steps still on the devices."""
         return len(self.output) + len(self.pending)
+
+
+class _Deferred:
+    """A value built from a device array copied to the host in the background (started
+    by the caller): ``settle()`` takes the copy in and frees the device array (the
+    engine does so a few steps later, when the copy is done); ``host()`` builds the
+    value on first read and keeps it."""
+
+    def __init__(self, array, make):
+        self._array, self._make, self._value = array, make, None
+
+    def settle(self):
+        if self._array is not None:
+            self._array = np.asarray(self._array)
+
+    def host(self):
+        if self._make is not None:
+            self.settle()
+            self._value, self._make, self._array = self._make(self._array), None, None
+        return self._value
 
 
 class _Fetched:
@@ -399,6 +421,7 @@ class Engine:
         # where the wall time of the steps that did not compile went (host seconds)
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self._fetches: list = []            # (step, [_Fetched per shard]) not yet on the host
+        self._snapshots: list = []          # (step, _Deferred) finish snapshots not yet on the host
 
     @property
     def block_pool(self) -> BlockPool:
@@ -472,7 +495,7 @@ class Engine:
         selected, predicted = req.recorded()
         return RequestOutput(req.request_id, tuple(req.prompt), tuple(req.output), req.status,
                              req.num_cached_tokens, req.num_computed_tokens, selected,
-                             predicted, req.snapshot, req.shard)
+                             predicted, None if req.snapshot is None else req.snapshot.host(), req.shard)
 
     @property
     def outputs(self) -> dict:
@@ -735,11 +758,13 @@ class Engine:
         return [(f, {row: c for c, row in enumerate(r)}) for f, r in zip(fetched, rows)]
 
     def _settle_fetches(self, lag: int):
-        """Bring recorded rows fetched `lag` or more steps ago to the host (their copies
-        are done by then) and free their device buffers."""
+        """Bring recorded rows and finish snapshots fetched `lag` or more steps ago to the
+        host (their copies are done by then) and free their device buffers."""
         while self._fetches and self.steps - self._fetches[0][0] >= lag:
             for f in self._fetches.pop(0)[1]:
                 f.host()
+        while self._snapshots and self.steps - self._snapshots[0][0] >= lag:
+            self._snapshots.pop(0)[1].settle()
 
     def _advance(self, shard: int, plan: _ShardPlan, shape: StepShape):
         """What a dispatched step does to its requests that needs no token value: token
@@ -805,7 +830,7 @@ class Engine:
             if len(req.output) >= req.max_new_tokens:
                 del req.output[req.max_new_tokens:]
                 if _wants(self.snapshot_on_finish, req.request_id) and not self.dry_run:
-                    req.snapshot = self.request_snapshot(req.request_id)
+                    req.snapshot = self._snapshot_later(req)      # no wait for the steps in flight
                 self._running.remove(req)
                 pool.release(req.request_id)
                 req.status = FINISHED
@@ -842,18 +867,27 @@ class Engine:
                            layout=self.layout, implementation=self.implementation, fault=self.fault,
                            mesh=self.mesh, contractions=inv.contractions(), tokens_out=self.tokens_out)
 
-    def _blocks_image(self, shard: int, blocks) -> np.ndarray:
-        """uint32[total_words] host image of one shard's cache that holds the bytes of
-        `blocks` (indexer pages with their tail ring and attention K/V, every layer)
-        and zeros elsewhere: only those words leave the device, not the whole cache
-        (gigabytes on a GPU-sized layout)."""
+    def _block_words(self, blocks) -> np.ndarray:
+        """Word addresses of `blocks` in a shard's cache: indexer pages with their tail
+        ring and attention K/V, every layer."""
         lay = self.layout
         byte_spans = [span for layer in range(lay.num_layers) for b in blocks
                       for span in (lay.block_byte_range(layer, b), lay.attn_block_byte_range(layer, b))]
-        words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in byte_spans if e > a])
-        image = np.zeros(lay.total_bytes // WORD_BYTES, np.uint32)       # untouched pages stay unallocated
-        image[words] = sharding.host_words(self._live_cache(), shard, words)
+        return np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in byte_spans if e > a])
+
+    def _image(self, words, values) -> np.ndarray:
+        """uint32[total_words] host image of a shard's cache: `values` at `words`, zeros
+        elsewhere (untouched pages stay unallocated)."""
+        image = np.zeros(self.layout.total_bytes // WORD_BYTES, np.uint32)
+        image[words] = values
         return image
+
+    def _blocks_image(self, shard: int, blocks) -> np.ndarray:
+        """The host image of one shard's cache that holds the bytes of `blocks` and
+        zeros elsewhere: only those words leave the device, not the whole cache
+        (gigabytes on a GPU-sized layout)."""
+        words = self._block_words(blocks)
+        return self._image(words, sharding.host_words(self._live_cache(), shard, words))
 
     def cache_bytes(self, shard: int = 0) -> np.ndarray:
         """A host copy of one shard's flat cache as bytes (read from that device only)."""
@@ -890,10 +924,31 @@ class Engine:
         of its last kpool computed tokens, ``attn_k`` / ``attn_v`` [n_tokens,
         kv_row_bytes] u8 of its computed tokens."""
         req = self._get(request_id)
-        index_blocks, tail_block = self.request_blocks(request_id)
+        blocks, decode = self._snapshot_parts(req)
+        return decode(self._blocks_image(req.shard, blocks))
+
+    def _snapshot_later(self, req) -> "_Deferred":
+        """request_snapshot of a request as the queued steps leave it, without waiting
+        for them: its words are gathered on the device now (behind those steps, before
+        any later step can reuse its blocks) and reach the host in the background; the
+        dict is built when read (get_output)."""
+        blocks, decode = self._snapshot_parts(req)
+        words = self._block_words(blocks)
+        got = sharding.device_words(self._live_cache(), req.shard, words)
+        got.copy_to_host_async()
+        snap = _Deferred(got, lambda values: decode(self._image(words, values)))
+        self._snapshots.append((self.steps - 1, snap))          # behind the latest dispatched step
+        return snap
+
+    def _snapshot_parts(self, req) -> tuple:
+        """(the blocks a snapshot of req reads, image [total_words] u32 -> the snapshot dict)."""
+        index_blocks, tail_block = self.request_blocks(req.request_id)
+        return sorted(set(index_blocks) | {tail_block}), functools.partial(
+            self._decode_snapshot, req.num_computed_tokens, list(index_blocks), tail_block, req.shard)
+
+    def _decode_snapshot(self, nc, index_blocks, tail_block, shard, cache) -> dict:
+        """request_snapshot's dict from a host image of the shard's cache."""
         c, lay = self.config, self.layout
-        nc = req.num_computed_tokens
-        cache = self._blocks_image(req.shard, sorted(set(index_blocks) | {tail_block}))
         pages = md.page_table_pages(np.asarray([index_blocks]), c)
         n_pools = nc // c.kpool
         pool_pos = np.arange(n_pools) * c.kpool + c.kpool - 1
@@ -913,7 +968,7 @@ class Engine:
                             attn_k=ak[blocks, pos % c.block_size].copy(),
                             attn_v=av[blocks, pos % c.block_size].copy()))
         return dict(num_computed_tokens=nc, index_blocks=list(index_blocks), tail_block=tail_block,
-                    shard=req.shard, layers=out)
+                    shard=shard, layers=out)
 
     def _tokens_per_s(self, tokens: int) -> float:
         """tokens / seconds spent in steps that did not compile (0 before any such step)."""

@@ -132,12 +132,18 @@ def host_words(cache, shard: int, words) -> np.ndarray:
     """cache[shard, words] on the host (uint32[n]): only those words leave the device.
     ``words`` are global word addresses (numpy int64); the gather indexes the
     [rows, VIEW_COLS] view, so caches past 2**31 words work."""
+    return np.asarray(device_words(cache, shard, words))
+
+
+def device_words(cache, shard: int, words):
+    """cache[shard, words] gathered on that shard's device (uint32[n], a device array):
+    the gather is queued behind the work already queued there; nothing waits."""
     from pallas_kernels.addressing import view_row_col
     rows, cols = view_row_col(np.asarray(words, np.int64))
     row = _row_of(cache, shard)
     device = next(iter(row.devices()))
     rows, cols = jax.device_put((rows.astype(np.int32), cols.astype(np.int32)), device)
-    return np.asarray(gather_view_words(row, rows, cols))
+    return gather_view_words(row, rows, cols)
 
 
 @jax.jit

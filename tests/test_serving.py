@@ -345,6 +345,24 @@ def test_request_snapshot_reads_only_the_request_blocks(rng, monkeypatch):
         assert got["index_blocks"] == want["index_blocks"] and got["tail_block"] == want["tail_block"]
 
 
+def test_finish_snapshot_holds_the_bytes_at_finish(rng):
+    """snapshot_on_finish gathers on the device when the request finishes and reads the
+    result later: rewriting the freed blocks (here with garbage) before get_output
+    does not reach the snapshot, which equals that of an engine read at once."""
+    model = random_model(rng)
+    prompt, new = tokens(rng, int(rng.integers(70, 150))), int(rng.integers(2, 6))
+    snaps = []
+    for scribble in (False, True):
+        e = make_engine(model, rng, snapshot_on_finish=True, async_scheduling=1)
+        e.add_request("r", prompt, new)
+        while e.has_unfinished():                                   # (run() returns outputs: it would read it)
+            e.step()
+        if scribble:
+            assert e.scribble_free_blocks(rng) > 0                    # the request's tail block among them
+        snaps.append(e.get_output("r").snapshot)
+    assert_same_bytes(snaps[0], snaps[1], "finish snapshot read after its blocks were rewritten")
+
+
 def test_probe_stops_watching_a_prompt_evicted_after_its_last_rehit():
     """With one filler the planned pool is so small that the last round's control
     takes the prompt's blocks after the re-hit (evicted, then rewritten: legitimate).
