@@ -14,8 +14,8 @@ for each N) and one pinned step shape, so a device does the same work per step
 whatever N is. Throughput = tokens processed (prompt + decode rows) / run time
 without the steps that compiled; the ratio to one device is the weak-scaling
 speed-up (ideal: N). The engine keeps 2 steps in flight by default
-(``--async-scheduling``; 0 measures the synchronous engine). Exit code 0 when the largest N reaches ``--goal`` x one
-device and every probe passed, 1 otherwise, 2 for bad arguments.
+(``--async-scheduling``; 0 measures the synchronous engine). Exit code 0 when the
+largest N reaches ``--goal`` x one device and every probe passed, 1 otherwise, 2 for bad arguments.
 """
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def kernel_counts(hlo: str) -> dict:
     """Rough launch counts of a compiled GPU step: Triton (Pallas) custom calls, fusions,
     while loops (each runs its body's kernels once per iteration)."""
     return dict(triton_calls=len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', hlo)),
-                fusions=len(re.findall(r"\bfusion\(", hlo)) + len(re.findall(r"= \S+ fusion\(", hlo)),
+                fusions=len(re.findall(r"\bfusion\(", hlo)),
                 while_loops=len(re.findall(r"\bwhile\(", hlo)))
 
 

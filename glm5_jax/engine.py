@@ -59,6 +59,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 import time
 
 import jax
@@ -179,7 +180,7 @@ class _Request:
     output: list = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    # recorded steps, in order: (first position, _Fetched rows [L, R, W], the column of
+    # recorded steps, in order: (first position, _Deferred rows [L, R, W], the column of
     # the first position's row (the n rows are consecutive), greedy next tokens [n]);
     # turned into dicts only when read
     records: list = dataclasses.field(default_factory=list)
@@ -233,20 +234,6 @@ class _Deferred:
             self.settle()
             self._value, self._make, self._array = self._make(self._array), None, None
         return self._value
-
-
-class _Fetched:
-    """One shard's recorded rows of one step: [L, R, W] i32, copied to the host in the
-    background (started at fetch); ``host()`` waits for the copy only when read."""
-
-    def __init__(self, array, shard: int):
-        self._array, self._shard, self._host = array, shard, None
-
-    def host(self) -> np.ndarray:
-        if self._host is None:
-            self._host = np.asarray(self._array)[self._shard]
-            self._array = None                      # the device rows can go
-        return self._host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,14 +333,15 @@ class Engine:
     Asynchronous scheduling (``async_scheduling=True`` or a number of steps kept in
     flight, True = 1; next_n = 1 only: drafts need token values). ``step()`` plans
     and dispatches step i+1 BEFORE it waits for step i's tokens (with 2: for step
-    i-1's, so a device that finishes a step early finds the next one queued), so the host's work (planning, step arrays, committing step i)
-    runs while the devices compute step i+1 instead of between steps. Nothing the
+    i-1's, so the next step is already queued when a device finishes one), so the
+    host's work (planning, step arrays, committing step i) runs while the devices
+    compute step i+1 instead of between steps. Nothing the
     plan needs depends on a token value (positions, slots and blocks follow from
     token counts, requests finish by count), except a decode row's input token:
     the step reads it on the device from step i's next-token array. The results are
     the same tokens and cache bytes as the synchronous engine (tested); what
-    changes: a step's tokens reach ``get_output`` one ``step()`` call later (per step in flight),
-    ``num_computed_tokens`` counts the dispatched tokens, full blocks enter the
+    changes: a step's tokens reach ``get_output`` one ``step()`` call later per step
+    in flight, ``num_computed_tokens`` counts the dispatched tokens, full blocks enter the
     prefix cache and finished requests free their blocks as many calls later (an
     admission may wait longer), and ``run`` ends with nothing in flight.
     """
@@ -420,7 +408,7 @@ class Engine:
         self.compile_step_seconds = 0.0     # wall time of the steps that compiled
         # where the wall time of the steps that did not compile went (host seconds)
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
-        self._fetches: list = []            # (step, [_Fetched per shard]) not yet on the host
+        self._fetches: list = []            # (step, [_Deferred rows per shard]) not yet on the host
         self._snapshots: list = []          # (step, _Deferred) finish snapshots not yet on the host
 
     @property
@@ -671,7 +659,6 @@ class Engine:
                 self._advance(s, plan, shape)
             self.shapes_seen.add(shape)
             self.steps += 1
-        if launch is not None:
             self._inflight.append(launch)
         # commit the oldest step once more than async_scheduling are in flight (at once when
         # synchronous; every one left when nothing new was dispatched)
@@ -736,7 +723,7 @@ class Engine:
         return rows
 
     def _fetch_selected(self, plans, shape: StepShape, selected):
-        """Per shard, (_Fetched selections [L, R, W] of its recorded rows, {flat row:
+        """Per shard, (_Deferred selections [L, R, W] of its recorded rows, {flat row:
         column}), or None when no request of the step is recorded. Only those rows
         leave the devices (gathered there first: the whole [D, L, T, W] array is ~34
         MB per device for a 2,064-token step and W = 2,051), and the step does not
@@ -753,7 +740,7 @@ class Engine:
             idx[d, :len(r)] = r
         got = _take_rows(selected, sharding.put_per_shard(idx, self.mesh), mesh=self.mesh)
         got.copy_to_host_async()                     # every shard's copy starts now, side by side
-        fetched = [_Fetched(got, d) for d in range(self.num_shards)]
+        fetched = [_Deferred(got, operator.itemgetter(d)) for d in range(self.num_shards)]
         self._fetches.append((self.steps, fetched))
         return [(f, {row: c for c, row in enumerate(r)}) for f, r in zip(fetched, rows)]
 
@@ -762,7 +749,7 @@ class Engine:
         host (their copies are done by then) and free their device buffers."""
         while self._fetches and self.steps - self._fetches[0][0] >= lag:
             for f in self._fetches.pop(0)[1]:
-                f.host()
+                f.settle()
         while self._snapshots and self.steps - self._snapshots[0][0] >= lag:
             self._snapshots.pop(0)[1].settle()
 
@@ -946,9 +933,9 @@ class Engine:
         return sorted(set(index_blocks) | {tail_block}), functools.partial(
             self._decode_snapshot, req.num_computed_tokens, list(index_blocks), tail_block, req.shard)
 
-    def _decode_snapshot(self, nc, index_blocks, tail_block, shard, cache) -> dict:
+    def _decode_snapshot(self, num_computed_tokens, index_blocks, tail_block, shard, cache) -> dict:
         """request_snapshot's dict from a host image of the shard's cache."""
-        c, lay = self.config, self.layout
+        c, lay, nc = self.config, self.layout, num_computed_tokens
         pages = md.page_table_pages(np.asarray([index_blocks]), c)
         n_pools = nc // c.kpool
         pool_pos = np.arange(n_pools) * c.kpool + c.kpool - 1

@@ -619,12 +619,11 @@ def test_async_scheduling_serves_the_same_tokens_and_bytes(rng, monkeypatch):
             assert_same_bytes(a.snapshot, b.snapshot, what)
 
 
-def test_async_scheduling_abort_in_flight_and_dry_run():
+def test_async_scheduling_abort_in_flight_and_dry_run(rng):
     """Dry runs (no model): an async engine finishes every request with its token
     count, returns every block, and a request aborted while its token is in flight
     is dropped cleanly; drafts (next_n > 1) are refused."""
     model = Decoder.random(MODEL_CFG, seed=0)
-    rng = np.random.default_rng(0)
     reqs = [(f"r{i}", tokens(rng, int(rng.integers(5, 300))), int(rng.integers(1, 12))) for i in range(9)]
     finished = {}
     for mode in (0, 1, 2):
