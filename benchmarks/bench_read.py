@@ -50,17 +50,21 @@ FLOOR_BYTES_PER_TOKEN = 35          # spec 7.3: decode, per context token per la
 LOGIT_RTOL_GPU = 5e-4               # fp8 tensor-core dots accumulate with ~14 bits (tests/test_read_path.py)
 
 
-def time_read(f, args, reps=10, trials=5, fixed=0):
+def time_read(f, args, reps=10, trials=5, fixed=0, perturb=None):
     """Median seconds per call of f(*args), `reps` dependent calls chained in one jit.
 
-    The first `fixed` args (the cache) go to every call unchanged. Every later
-    int / float argument of each later call gets a 0 added that XLA cannot prove
-    is 0 (a compare of the previous output's first element with an unlikely
-    value), so every call depends on the last and none can be merged, hoisted or
-    removed, whichever arguments f reads. (Identical calls, or calls whose output
-    nobody reads, are deduplicated or deleted by XLA: the first version of this
-    harness timed 1 call and divided by 10; the second perturbed only the first
-    integer argument, which lax.top_k(x, k) ignores, so its 10 calls merged.)
+    The first `fixed` args (the cache) go to every call unchanged. The args at the
+    positions in `perturb` (default: every int / float arg after the fixed ones) of
+    each later call get a 0 added that XLA cannot prove is 0 (a compare of the
+    previous output's first element with an unlikely value), so every call depends
+    on the last and none can be merged, hoisted or removed. (Identical calls, or
+    calls whose output nobody reads, are deduplicated or deleted by XLA: the first
+    version of this harness timed 1 call and divided by 10; the second perturbed
+    only the first integer argument, which lax.top_k(x, k) ignores, so its 10 calls
+    merged.) Perturb only small arguments that f reads when a big one feeds a
+    kernel: XLA cannot fuse `x + 0` into a Pallas call, so perturbing the [64,
+    131072] scores of a top-k wrote them out again on every call (~17 us of each
+    timed call until session 7).
     """
     n_fixed = fixed
 
@@ -68,8 +72,12 @@ def time_read(f, args, reps=10, trials=5, fixed=0):
         d = jnp.asarray(x).dtype
         return jnp.issubdtype(d, jnp.integer) or d in (jnp.float32, jnp.bfloat16)
 
-    if not any(perturbable(x) for x in args[fixed:]):
-        raise ValueError("time_read needs an int or float argument after the fixed ones")
+    if perturb is None:
+        perturb = tuple(i for i in range(fixed, len(args)) if perturbable(args[i]))
+    perturb = tuple(perturb)
+    if not perturb or any(i < fixed or i >= len(args) or not perturbable(args[i]) for i in perturb):
+        raise ValueError(f"time_read needs int or float args after the fixed ones to perturb, got {perturb}")
+    hit = [i in perturb for i in range(fixed, len(args))]
 
     @jax.jit
     def chain(*all_args):
@@ -78,7 +86,7 @@ def time_read(f, args, reps=10, trials=5, fixed=0):
         for _ in range(reps - 1):
             first = jnp.ravel(outs[-1])[0].astype(jnp.float32)
             dep = first == jnp.float32(-12345.678)                               # False in practice
-            a = [x + dep.astype(x.dtype) if perturbable(x) else x for x in a]
+            a = [x + dep.astype(x.dtype) if h else x for x, h in zip(a, hit)]
             outs.append(f(*c, *a))
         return outs
 
@@ -139,7 +147,7 @@ def bench_decode(cfg, batch, ctx_tokens, bw, reps, trials, quick):
             (cache, q8, w, table, ctx), reps, trials, fixed=1)
         res["  (pallas topk_pools only)"] = time_read(
             lambda x, l: ops.topk_pools(x, l, cfg.topk_pools, implementation="pallas"),
-            (lg.reshape(batch, -1), ctx.reshape(-1)), reps, trials)
+            (lg.reshape(batch, -1), ctx.reshape(-1)), reps, trials, perturb=(1,))
         del lg
     case = f"B={batch} ctx={ctx_tokens // 1024}k"
     return [dict(kind="decode", case=case, impl=name, s=t, vs_xla=res["xla"] / t, x_floor=t / floor,
@@ -165,39 +173,48 @@ def bench_topk(rows, n, k, reps, trials):
     fns = {
         "pallas topk_pools": lambda x, l: ops.topk_pools(x, l, k, implementation="pallas"),
         "xla topk_pools (exact keys)": lambda x, l: ops.topk_pools(x, l, k, implementation="xla"),
-        "lax.top_k": lambda x, l: lax.top_k(x, k)[1],
+        "lax.top_k": lambda x, l: lax.top_k(masked(x, l), k)[1],
+        "read the scores once (XLA max)": lambda x, l: jnp.max(masked(x, l), axis=1),
     }
-    res = {name: time_read(f, (x, lengths), reps, trials) for name, f in fns.items()}
-    base = res["lax.top_k"]
-    return [dict(kind="topk", case=f"[{rows}, {n}] k={k}", impl=name, s=t, vs_lax_top_k=base / t)
-            for name, t in res.items()]
+    res = {name: time_read(f, (x, lengths), reps, trials, perturb=(1,)) for name, f in fns.items()}
+    base, once = res["lax.top_k"], res["read the scores once (XLA max)"]
+    return [dict(kind="topk", case=f"[{rows}, {n}] k={k}", impl=name, s=t, vs_lax_top_k=base / t,
+                 x_read=t / once) for name, t in res.items()]
+
+
+def masked(x, lengths):
+    """x with the columns >= the row's length at -inf: what lax.top_k must see to honour
+    the lengths (and what makes it read the perturbed lengths)."""
+    cols = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(cols < lengths[:, None], x, -jnp.inf)
 
 
 def bench_topk_parts(rows, n, k, reps, trials):
-    """Where filter-mode top-k spends its time: the stages cumulatively (floor; + filter;
-    + select; the whole topk_pools, which adds the stream fallback launched over the
-    overflowed rows only, here none), each as a fraction of the whole."""
+    """Where filter-mode top-k spends its time: the stages cumulatively (run maxima;
+    + floor; + filter; + select, which is the whole topk_pools), each as a fraction
+    of the whole."""
     from pallas_kernels import topk as tk
-    from pallas_kernels import topk_filter, topk_floor, topk_select
+    from pallas_kernels import topk_filter, topk_floor
     t = tk.Tuning()
     x = jax.random.normal(jax.random.PRNGKey(7), (rows, n), jnp.float32)
     lengths = jnp.full((rows,), n, jnp.int32)
-    span, chunk, _, cap = tk.filter_shape(n, k, t)
+    chunk, _, cap = tk.filter_shape(n, k, t)
+
+    def maxima(x, l):
+        return tk.run_maxima(x, l, t.buckets_per_k * k)
 
     def floor(x, l):
-        return topk_floor.key_floor(x, l, k, t.buckets_per_k * k, num_warps=t.row_warps)
+        return topk_floor.key_floor(x, l, k, t.buckets_per_k * k, bits=t.floor_bits,
+                                    radix_bits=t.radix_bits, num_warps=t.row_warps)
 
     def lists(x, l):
-        return topk_filter.filter_candidates(x, l, floor(x, l), span=span, chunk=chunk, cap=cap,
-                                             num_warps=t.num_warps)
+        return topk_filter.filter_candidates(x, l, *floor(x, l), chunk=chunk, cap=cap, num_warps=t.num_warps)
 
-    def select(x, l):
-        return topk_select.select_candidates(*lists(x, l), k, num_warps=t.row_warps)
-
-    fns = {"floor": floor, "+ filter": lambda x, l: lists(x, l)[1], "+ select": select,
-           "+ fallback (all of topk_pools)": lambda x, l: tk.topk_pools(x, l, k, tune=t)}
-    res = {name: time_read(f, (x, lengths), reps, trials) for name, f in fns.items()}
-    whole = res["+ fallback (all of topk_pools)"]
+    fns = {"run maxima (XLA)": maxima, "+ floor": lambda x, l: floor(x, l)[0],
+           "+ filter": lambda x, l: lists(x, l)[1],
+           "+ select (all of topk_pools)": lambda x, l: tk.topk_pools(x, l, k, tune=t)}
+    res = {name: time_read(f, (x, lengths), reps, trials, perturb=(1,)) for name, f in fns.items()}
+    whole = res["+ select (all of topk_pools)"]
     return [dict(kind="topk", case=f"parts [{rows}, {n}] k={k}", impl=name, s=sec, vs_base=sec / whole)
             for name, sec in res.items()]
 
@@ -207,19 +224,23 @@ LOGITS_SWEEP = [(1, 8, 4), (2, 4, 4), (4, 2, 4), (8, 1, 4), (4, 2, 8), (8, 1, 8)
 # (docs/results/2026-11-30_s2_bench_read_sweep_run2.txt) ranked 10 shapes: larger
 # chunks and 8 warps lost, the pre-filter won 1.37x; these are the ones left open
 TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528, 4, 4)]
-# filter mode (topk.Tuning keyword arguments): Pallas floor, one filter pass into
-# per-(row, split) lists of filter_cap slots, one select program per row
-# The first GPU sweep (docs/results/2026-11-30_s3_run3_bench_read.txt): span 4096 /
-# cap 64 132 us, span 2048 / cap 64 137 us, cap 128 148-158 us, warps made no gain.
+# filter mode (topk.Tuning keyword arguments): Pallas floor, one filter pass into a
+# per-row candidate list (one atomic reservation per program), PARTS select programs
+# per row. Session 7 rewrote all three kernels; the shapes below bracket the defaults.
 TOPK_FILTER_SWEEP = [
-    dict(),                                                               # the default: span 2048, auto cap
-    dict(filter_span=4096, filter_cap=64),
-    dict(filter_span=4096, filter_cap=32),
-    dict(filter_span=2048, filter_cap=32),
-    dict(filter_span=1024, filter_cap=32),
-    dict(filter_span=8192, filter_cap=64),
+    dict(),                                                   # default: chunk 4096, cap auto, 4 parts
+    dict(filter_chunk=2048),
+    dict(filter_chunk=8192),
+    dict(filter_chunk=2048, num_warps=8),
+    dict(select_parts=2),
+    dict(select_parts=8),
+    dict(select_parts=16),
+    dict(radix_bits=2, floor_bits=16),
+    dict(floor_bits=32),
+    dict(row_warps=4),
+    dict(filter_cap=1024),
 ]
-TOPK_FILTER_QUICK = [dict(), dict(filter_span=512, filter_cap=64)]
+TOPK_FILTER_QUICK = [dict(), dict(filter_chunk=512, select_parts=2)]
 
 
 def topk_tuning(v):
@@ -230,24 +251,26 @@ def topk_tuning(v):
 
 def topk_label(t) -> str:
     if t.mode == "filter":
-        return (f"filter span={t.filter_span} ld={t.filter_chunk} cap={t.filter_cap or 'auto'} "
-                f"warps={t.num_warps}/{t.row_warps}")
+        return (f"filter ld={t.filter_chunk} cap={t.filter_cap or 'auto'} parts={t.select_parts} "
+                f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.num_warps}/{t.row_warps}")
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 
 
-def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
-    """Launch shapes of the paged-logits and top-k kernels, each checked against the
-    XLA reference before it is timed (a wrong variant is reported, not timed)."""
+def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick, which=("logits", "topk")):
+    """Launch shapes of the paged-logits and top-k kernels (those in `which`), each
+    checked against the XLA reference before it is timed (a wrong variant is
+    reported, not timed)."""
     from pallas_kernels import paged_logits as plg
     from pallas_kernels import topk as tk
-    layout, cache, table, key, heads = read_case(cfg, batch, ctx_tokens)
-    s = layout.strides(0)
-    q8, w = queries(key, batch, 1, heads)
-    ctx = jnp.full((batch, 1), ctx_tokens // cfg.kpool, jnp.int32)
-    want = np.asarray(ops.paged_logits(cache, layout, 0, q8, w, table, ctx, implementation="xla"))
-    fin = np.isfinite(want)
     rows = []
-    for v in (LOGITS_SWEEP[:2] if quick else LOGITS_SWEEP):
+    for v in (() if "logits" not in which else LOGITS_SWEEP[:2] if quick else LOGITS_SWEEP):
+        if not rows:                                    # the logits case, built once
+            layout, cache, table, key, heads = read_case(cfg, batch, ctx_tokens)
+            s = layout.strides(0)
+            q8, w = queries(key, batch, 1, heads)
+            ctx = jnp.full((batch, 1), ctx_tokens // cfg.kpool, jnp.int32)
+            want = np.asarray(ops.paged_logits(cache, layout, 0, q8, w, table, ctx, implementation="xla"))
+            fin = np.isfinite(want)
         t = plg.Tuning(*v)
         f = jax.jit(lambda c, q, w_, tb, x, t=t: plg.paged_logits(c, s, q, w_, tb, x, tune=t))
         got = np.asarray(f(cache, q8, w, table, ctx))
@@ -259,7 +282,7 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
                          impl=f"G={v[0]} steps={v[1]} warps={v[2]}" + ("" if ok else " WRONG"), s=sec, ok=ok))
     r_, n_, k_ = topk_case
     x = jax.random.normal(jax.random.PRNGKey(7), (r_, n_), jnp.float32)
-    cases = [(f"topk [{r_}, {n_}] k={k_}", x, jnp.full((r_,), n_, jnp.int32), k_)]
+    cases = [(f"topk [{r_}, {n_}] k={k_}", x, jnp.full((r_,), n_, jnp.int32), k_)] if "topk" in which else []
     for name, sc, ln, k in cases:
         ref_ids = np.asarray(ops.topk_pools(sc, ln, k, implementation="xla"))
         variants = (TOPK_SWEEP[:2] + TOPK_FILTER_QUICK) if quick else (TOPK_SWEEP + TOPK_FILTER_SWEEP)
@@ -269,7 +292,7 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick):
             ok = bool((np.asarray(f(sc, ln)) == ref_ids).all())
             # filter mode: a list overflow runs the stream path instead (timed as such)
             fell_back = t.mode == "filter" and bool(tk.filter_overflowed(sc, ln, k, tune=t))
-            sec = time_read(f, (sc, ln), reps, trials) if ok else float("nan")
+            sec = time_read(f, (sc, ln), reps, trials, perturb=(1,)) if ok else float("nan")
             rows.append(dict(kind="sweep", case=name, impl=topk_label(t) + (" FALLBACK" if fell_back else "")
                              + ("" if ok else " WRONG"), s=sec, ok=ok, fallback=fell_back))
     for r in rows:                                      # speed-up over the case's first variant
@@ -285,6 +308,8 @@ def main(argv=None):
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-topk", action="store_true")
+    ap.add_argument("--sweep-only", choices=["logits", "topk"], nargs="+",
+                    help="with --sweep: sweep only these kernels' launch shapes")
     ap.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 16 64)")
     ap.add_argument("--contexts", type=int, nargs="+",
                     help="decode contexts in tokens (default 32768 131072 1048576)")
@@ -316,7 +341,8 @@ def main(argv=None):
         rows += bench_topk(*topk_case, reps, trials)
         rows += bench_topk_parts(*topk_case, reps, trials)
     if a.sweep:
-        rows += bench_sweep(cfg, *(decode[0] if a.quick else (64, 131072)), topk_case, reps, trials, a.quick)
+        rows += bench_sweep(cfg, *(decode[0] if a.quick else (64, 131072)), topk_case, reps, trials, a.quick,
+                            which=a.sweep_only or ("logits", "topk"))
 
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
     print(f"copy bandwidth measured now: {bw / 1e12:.3f} TB/s; decode floor = "
@@ -328,11 +354,13 @@ def main(argv=None):
     print("-" * len(hdr))
     for r in rows:
         vs = r.get("vs_xla", r.get("vs_lax_top_k", r.get("vs_base")))
-        fl = f"{r['x_floor']:>9.2f}" if "x_floor" in r else f"{'':>9}"
+        xf = r.get("x_floor", r.get("x_read"))
+        fl = f"{xf:>9.2f}" if xf is not None else f"{'':>9}"
         tf = f"{r['tflops']:>9.2f}" if "tflops" in r else f"{'':>9}"
         print(f"{r['kind']:<8}{r['case']:<22}{r['impl']:<30}{r['s'] * 1e6:>12.1f}{vs:>8.2f}x{fl}{tf}")
     print("\nvs XLA: XLA time / this time (topk rows: lax.top_k time / this time); "
-          "x floor: this time / bandwidth-floor time (1.00 = at the floor); sweep rows: time of the "
+          "x floor: this time / bandwidth-floor time (1.00 = at the floor; topk rows: / the time of "
+          "reading the scores once, the XLA max row); sweep rows: time of the "
           "case's first variant (one page per step; no top-k pre-filter) / this time; top-k parts rows: "
           "the stages up to this one as a fraction of the whole top-k (cumulative).")
     if a.json:

@@ -2,9 +2,10 @@
 
 Today: ``pl.pallas_call`` lowered by the Pallas Triton backend (deprecated
 upstream since JAX 0.11, still shipped in 0.12). Kernel files call only
-``pallas_call``, ``load``, ``store``, ``barrier`` and ``resolve_interpret``
-from here, so moving to Mosaic GPU or jax-triton later touches this file and the
-kernel bodies' memory ops, not their callers.
+``pallas_call``, ``load``, ``store``, ``gather``, ``scatter``, ``atomic_add``,
+``barrier`` and ``resolve_interpret`` from here, so moving to Mosaic GPU or
+jax-triton later touches this file and the kernel bodies' memory ops, not their
+callers.
 """
 from __future__ import annotations
 
@@ -82,3 +83,11 @@ def barrier(interpret: bool):
 ds = pl.ds
 program_id = pl.program_id
 when = pl.when
+
+
+def atomic_add(ref, idx, value):
+    """ref[idx] += value atomically (scalar idx and value); returns the value before.
+
+    Unmasked only: interpret mode has no masked atomics. Programs that share a
+    counter see its updates in some order, so callers must not depend on it."""
+    return plt.atomic_add(ref, idx, value)

@@ -34,12 +34,13 @@ Buffer row of padded row p (of B * ceil(n / BN) * BN) in split s: p * splits + s
 
 ``topk_pools`` runs this streaming path in mode "stream" (``Tuning.mode``).
 Mode "filter" (the default) runs three lean kernels instead, each in its own file:
-``topk_floor`` (the same key floor as ``bucket_floor``, by a radix k-th search
-in place of an XLA sort), ``topk_filter`` (one pass: each (row, span) program
-writes its keys >= floor into a private list of CAP slots, in id order, and its
-count, > CAP meaning overflow) and ``topk_select`` (one program per row: exact
-k-th key of its lists, survivors, ids by rank). When lists overflowed, a
-``lax.cond`` runs this streaming path (with the same floor) for those rows only.
+``topk_floor`` (the key floor of ``bucket_floor``, by a radix k-th search in
+place of an XLA sort; it also zeroes the filter's counters), ``topk_filter``
+(one pass: each (row, chunk) program reserves room in its row's candidate list
+with one atomic add and writes its keys >= floor there; a count > CAP means
+overflow) and ``topk_select`` (PARTS programs per row: exact k-th key of the
+list, the k survivors, ids by rank; a row whose list overflowed runs this
+streaming path, with the same floor, inside the select kernel).
 """
 from __future__ import annotations
 
@@ -122,24 +123,29 @@ def prefilter_state(bn: int, floor):
     return cnt, jnp.where(on, floor - 1, 0).astype(jnp.uint32), on.astype(jnp.int32)
 
 
-def kth_key(key, live, k: int):
+def kth_key(key, live, k, radix_bits: int = RADIX_BITS, bits: int = 32):
     """[BN] u32: the k-th largest key among `live` entries of key [BN, C]; 0 if fewer than k.
 
     Radix search from the top bit: at each step keep the largest digit d such
-    that at least k live keys are >= prefix|d (counted by comparison).
+    that at least k live keys are >= prefix|d (counted by comparison), deciding
+    `radix_bits` bits per step. `k` is static or a traced [BN] i32. With bits < 32
+    only the top `bits` bits are searched: the result is the k-th largest key with
+    its low 32 - bits bits cleared (at least k live keys are still >= it).
     """
     bn = key.shape[0]
-    d = _iota((1, 1 << RADIX_BITS, 1), 1).astype(jnp.uint32)                        # [1, D, 1]
+    if 32 % radix_bits or bits % radix_bits or not 0 < bits <= 32:
+        raise ValueError(f"kth_key: {radix_bits} radix bits do not divide {bits} / 32 bits")
+    kk = k if isinstance(k, int) else k[:, None]                                     # int or [BN, 1]
 
     def step(j, t):
-        shift = (32 - RADIX_BITS - RADIX_BITS * j).astype(jnp.uint32)
-        cand = t[:, None, None] | (d << shift)                                       # [BN, D, 1]
-        ge = live[:, None, :] & (key[:, None, :] >= cand)                            # [BN, D, C]
-        c = jnp.sum(ge.astype(jnp.int32), axis=2)                                    # [BN, D]
-        nd = jnp.sum((c >= k).astype(jnp.int32), axis=1)                             # [BN]
+        shift = (32 - radix_bits - radix_bits * j).astype(jnp.uint32)
+        nd = jnp.zeros((bn,), jnp.int32)
+        for d in range(1 << radix_bits):            # one [BN, C] count per digit: C lanes live at once
+            ge = live & (key >= (t | (jnp.uint32(d) << shift))[:, None])             # [BN, C]
+            nd += (jnp.sum(ge.astype(jnp.int32), axis=1, keepdims=True) >= kk).astype(jnp.int32)[:, 0]
         return t | (jnp.maximum(nd - 1, 0).astype(jnp.uint32) << shift)
 
-    return lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.zeros((bn,), jnp.uint32))
+    return lax.fori_loop(0, bits // radix_bits, step, jnp.zeros((bn,), jnp.uint32))
 
 
 def keep_top_k(key, live, k: int):
@@ -241,6 +247,19 @@ def emit_sorted(g: Geometry, kbuf, ibuf, brow, cnt, out_ref, orow, row_ok, inter
     B.scatter(out_ref, orow[:, None] + 0 * cj, cj, jnp.full((g.bn, kp), -1, jnp.int32), empty)
 
 
+def score_producer(g: Geometry, x_ref, flat, length, lo, hi, n_cols: int):
+    """``stream``'s producer over scores x_ref [rows, n_cols] f32: chunk c holds the
+    columns lo + c * CH .. of rows `flat` [BN], valid below `hi` (scalar) and the
+    row's `length` [BN]."""
+    def produce(c, active):
+        cols = lo + c * g.ch + _iota((g.bn, g.ch), 1)                                 # [BN, CH]
+        valid = (cols < hi) & (cols < length[:, None]) & active
+        x = B.gather(x_ref, flat[:, None] + 0 * cols, jnp.minimum(cols, n_cols - 1),
+                     mask=valid, other=0.0)
+        return order_key(x), cols, valid
+    return produce
+
+
 class Rows:
     """Rows r0 .. r0+BN-1 of request b in a (B, n) row space, padded to row blocks."""
 
@@ -287,12 +306,7 @@ def _kernel(*refs, g: Geometry, source: str, n: int, row_blocks: int, splits: in
         hi = jnp.minimum(jnp.minimum(lo + split_cols, n_cols), jnp.max(length))
         n_chunks = jnp.maximum(hi - lo + g.ch - 1, 0) // g.ch
 
-        def produce(c, active):
-            cols = lo + c * g.ch + _iota((g.bn, g.ch), 1)                             # [BN, CH]
-            valid = (cols < hi) & (cols < length[:, None]) & active
-            x = B.gather(x_ref, rows.flat[:, None] + 0 * cols, jnp.minimum(cols, n_cols - 1),
-                         mask=valid, other=0.0)
-            return order_key(x), cols, valid
+        produce = score_producer(g, x_ref, rows.flat, length, lo, hi, n_cols)
     else:
         cin_ref, kin_ref, iin_ref = ins
         n_chunks = in_splits
@@ -344,21 +358,29 @@ def choose_splits(programs: int, n_cands: int, k: int, splits=None, target=TARGE
     return max(1, min(-(-target // max(programs, 1)), by_size))
 
 
-def bucket_floor(scores, lengths, k: int, buckets: int):
+def bucket_floor(scores, lengths, k: int, buckets: int, bits: int = 32):
     """[rows] u32 key floor with at least k valid keys >= it (0: no useful floor).
 
     The row's valid keys are cut into `buckets` equal runs; the k-th largest of the
     runs' maxima is such a floor (k different runs each hold a key >= it). It is a
     cheap XLA pass (one read of the scores, a sort of [rows, buckets]); on random
-    scores only ~1.2 k keys per row pass it, so the streaming filter rarely
+    scores only ~1.15 k keys per row pass it (k = 512, 2048 runs), so the streaming filter rarely
     appends and almost never compacts. Ties and adversarial rows stay exact: the
     floor only ever admits more keys than the top k.
+
+    With bits < 32 the floor keeps only its top `bits` bits (the low ones cleared):
+    a lower floor, still valid, that the Pallas floor finds in fewer radix steps.
     """
     rows, n = scores.shape
     if not has_floor(n, k, buckets):
         return jnp.zeros((rows,), jnp.uint32)
     top = run_maxima(scores, lengths, buckets)                                     # [rows, M]
-    return lax.sort(top, dimension=1)[:, buckets - k]
+    return lax.sort(top, dimension=1)[:, buckets - k] & floor_mask(bits)
+
+
+def floor_mask(bits: int):
+    """u32 mask of a key's top `bits` bits."""
+    return jnp.uint32((0xFFFFFFFF << (32 - bits)) & 0xFFFFFFFF)
 
 
 def has_floor(n_cols: int, k: int, buckets: int) -> bool:
@@ -378,13 +400,11 @@ def run_maxima(scores, lengths, buckets: int):
 
 
 MODES = ("stream", "filter")
-FILTER_SPAN = 2048             # scores per filter program (filter mode)
-FILTER_CHUNK = 4096            # scores per vector load of a filter program
-FILTER_CAP = 0                 # candidate slots per (row, split) list; 0 = auto (filter_shape)
-FILTER_MIN_CAP = 64            # auto: at least this many slots per list
-FILTER_ROOM_PER_K = 5          # auto: room for 5 k candidates per row (the floor admits ~1.2-2.3 k)
-ROW_WARPS = 8                  # warps of the one-program-per-row floor and select kernels
-MAX_SELECT_SLOTS = 8192        # the select kernel's per-row tile (splits * CAP) at most
+FILTER_CHUNK = 4096            # scores per filter program, one vector load (filter mode)
+FILTER_CAP = 0                 # candidate slots per row; 0 = auto (filter_shape)
+FILTER_ROOM_PER_K = 4          # auto: room for 4 k candidates per row (the floor admits ~1.15 k)
+ROW_WARPS = 8                  # warps of the floor and select kernels
+MAX_SELECT_SLOTS = 8192        # the select kernel's per-row tile (CAP) at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,52 +417,53 @@ class Tuning:
     kernel in filter mode).
 
     mode: "stream" (the streaming filter + merge) or "filter" (Pallas floor, one
-    filter pass into fixed-size candidate lists, one select program per row; the
-    stream path runs instead when a list overflows). filter_span: scores per filter
-    program (grows for very long rows, so that splits * filter_cap stays within
-    MAX_SELECT_SLOTS); filter_chunk: scores per vector load inside it;
-    filter_cap: slots of a (row, split) candidate list; row_warps: warps of the
-    floor and select kernels (one program per row)."""
+    filter pass into a per-row candidate list, PARTS select programs per row; a row
+    whose list overflowed takes the streaming path inside the select kernel).
+    filter_chunk: scores per filter program (one load); filter_cap: slots of a
+    row's candidate list (0 = auto, ``filter_shape``); select_parts: select
+    programs per row; radix_bits: bits per step of the floor and select radix
+    searches; floor_bits: how many top bits of the floor are searched (the rest
+    cleared: a slightly lower floor in fewer steps); row_warps: warps of the floor
+    and select kernels."""
     score_chunk: int = SCORE_CHUNK
     target_programs: int = TARGET_PROGRAMS
     buckets_per_k: int = 4
     num_warps: int = 4
     mode: str = "filter"
-    filter_span: int = FILTER_SPAN
     filter_chunk: int = FILTER_CHUNK
     filter_cap: int = FILTER_CAP
+    select_parts: int = 4
+    radix_bits: int = 4
+    floor_bits: int = 16
     row_warps: int = ROW_WARPS
 
     def __post_init__(self):
         def pow2(v, lo):
             return v >= lo and not v & (v - 1)
         if (not pow2(self.score_chunk, 16) or self.buckets_per_k < 0 or self.mode not in MODES
-                or not pow2(self.filter_span, 16) or not pow2(self.filter_chunk, 16)
+                or not pow2(self.filter_chunk, 16)
                 or not (self.filter_cap == 0 or pow2(self.filter_cap, 16))
+                or not pow2(self.select_parts, 1) or self.radix_bits not in (1, 2, 4, 8)
+                or self.floor_bits % self.radix_bits or not 0 < self.floor_bits <= 32
                 or self.num_warps < 1 or self.row_warps < 1):
             raise ValueError(f"bad topk tuning {self}")
 
 
 def filter_shape(n_cols: int, k: int, tune: Tuning):
-    """(span, chunk, splits, cap): scores per filter program, per load, programs per row,
-    slots per (row, split) list.
+    """(chunk, splits, cap): scores per filter program, programs per row, slots of a
+    row's candidate list.
 
     cap = tune.filter_cap, or with filter_cap == 0 (auto) room for FILTER_ROOM_PER_K * k
-    candidates per row spread over the lists (the floor admits ~1.2-2.3 k keys of a
-    random row), or for every key when there is no floor (n < 2 * buckets): so the
-    lists overflow only on skewed rows, not because the row is short, and the select
-    tile (splits x cap) stays as small as that allows (it costs time on the GPU).
+    candidates (the floor admits ~1.15 k keys of a random row), or for every key when
+    there is no floor (n < 2 * buckets): so a list overflows only on skewed or tied
+    rows, not because the row is short. Capped at MAX_SELECT_SLOTS (the select's tile).
     """
-    span = min(tune.filter_span, next_pow2(n_cols))
-    min_cap = tune.filter_cap or FILTER_MIN_CAP
-    span = max(span, next_pow2(-(-n_cols // max(1, MAX_SELECT_SLOTS // min_cap))))  # splits * cap bounded
-    splits = -(-n_cols // span)
+    chunk = min(tune.filter_chunk, next_pow2(n_cols))
     cap = tune.filter_cap
     if not cap:
-        room = n_cols if n_cols < 2 * tune.buckets_per_k * k else FILTER_ROOM_PER_K * k
-        cap = min(span, max(FILTER_MIN_CAP, next_pow2(-(-room // splits))),
-                  max(FILTER_MIN_CAP, MAX_SELECT_SLOTS // next_pow2(splits)))
-    return span, min(tune.filter_chunk, span), splits, cap
+        room = FILTER_ROOM_PER_K * k if has_floor(n_cols, k, tune.buckets_per_k * k) else n_cols
+        cap = max(16, min(next_pow2(room), next_pow2(n_cols), MAX_SELECT_SLOTS))
+    return chunk, -(-n_cols // chunk), cap
 
 
 def _stream_path(scores, lengths, floor, k: int, splits, interpret, tune: Tuning):
@@ -463,15 +484,16 @@ def _stream_path(scores, lengths, floor, k: int, splits, interpret, tune: Tuning
 
 
 def _filter_lists(scores, lengths, k: int, interpret, tune: Tuning):
-    """Filter mode, first two kernels: (floor [rows] u32, count [rows, splits] i32,
-    keys [rows, splits * CAP] u32, ids [rows, splits * CAP] i32, overflowed [rows] bool)."""
+    """Filter mode, first two kernels: (floor [rows] u32, counts [rows] i32,
+    keys [rows, CAP] u32, ids [rows, CAP] i32, overflowed [rows] bool)."""
     from . import topk_filter, topk_floor
-    floor = topk_floor.key_floor(scores, lengths, k, tune.buckets_per_k * k,
-                                 interpret=interpret, num_warps=tune.row_warps)
-    span, chunk, _, cap = filter_shape(scores.shape[1], k, tune)
-    cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, span=span, chunk=chunk,
-                                                   cap=cap, interpret=interpret, num_warps=tune.num_warps)
-    return floor, cnt, keys, ids, jnp.any(cnt > cap, axis=1)
+    floor, zeros = topk_floor.key_floor(scores, lengths, k, tune.buckets_per_k * k, bits=tune.floor_bits,
+                                        radix_bits=tune.radix_bits, interpret=interpret,
+                                        num_warps=tune.row_warps)
+    chunk, _, cap = filter_shape(scores.shape[1], k, tune)
+    cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, zeros, chunk=chunk, cap=cap,
+                                                   interpret=interpret, num_warps=tune.num_warps)
+    return floor, cnt, keys, ids, cnt > cap
 
 
 def _check_args(scores, lengths):
@@ -491,8 +513,8 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
     """scores: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid).
     Returns [rows, k] i32: best ids by (score desc, id asc), -1 padded.
 
-    `splits` (programs per row of the streaming kernel) applies to the stream path,
-    in filter mode to its fallback only."""
+    `splits` (programs per row of the streaming kernel) applies to the stream path
+    only (filter mode's fallback streams each overflowed row in one program)."""
     rows, n_cols = scores.shape
     if rows == 0:
         return jnp.zeros((0, k), jnp.int32)
@@ -500,20 +522,14 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
         return jnp.full((rows, k), -1, jnp.int32)
     scores, lengths = _check_args(scores, lengths)
     if tune.mode == "filter":
+        # Exact: a row whose list did not overflow holds every valid key >= floor (and at
+        # least k valid keys are >= floor, or the floor is 0 and the list holds every
+        # valid key); the select kernel runs the exact streaming path (same floor) on a
+        # row whose list overflowed. No host round trip, no second launch.
         from . import topk_select
-        floor, cnt, keys, ids, overflowed = _filter_lists(scores, lengths, k, interpret, tune)
-        # Exact either way: a row whose lists did not overflow has every valid key >= floor
-        # in them (and at least k valid keys are >= floor, or the floor is 0 and the lists
-        # hold every valid key); a row whose lists overflowed takes the stream path (same
-        # floor), which is exact for any input, launched only when some row overflowed and
-        # then with the other rows' lengths set to 0 (their programs return at once).
-        picked = topk_select.select_candidates(cnt, keys, ids, k, interpret=interpret,
-                                               num_warps=tune.row_warps)
-
-        def redo(picked):
-            again = _stream_path(scores, jnp.where(overflowed, lengths, 0), floor, k, splits, interpret, tune)
-            return jnp.where(overflowed[:, None], again, picked)
-
-        return lax.cond(jnp.any(overflowed), redo, lambda p: p, picked)
+        floor, cnt, keys, ids, _ = _filter_lists(scores, lengths, k, interpret, tune)
+        return topk_select.select_candidates(scores, lengths, floor, cnt, keys, ids, k,
+                                             parts=tune.select_parts, radix_bits=tune.radix_bits,
+                                             interpret=interpret, num_warps=tune.row_warps)
     floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
     return _stream_path(scores, lengths, floor, k, splits, interpret, tune)

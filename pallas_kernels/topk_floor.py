@@ -1,16 +1,19 @@
 """Kernel: the key floor of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
 
-Same value as ``topk.bucket_floor``, bit for bit: per row, the k-th largest of
-the row's M run maxima (``topk.run_maxima``, an XLA reduce of the scores), so at
-least k valid keys of the row are >= it (k different runs each hold one); 0 when
-fewer than k runs hold a valid key, or when the row is too short for a floor
-(``topk.has_floor``). ``bucket_floor`` finds it with an XLA sort of [rows, M];
-this kernel finds it with the exact radix search ``topk.kth_key`` on one
-[1, MP] tile per row (MP = M rounded up to a power of two, the padding lanes
-dead), which is the k-th largest of the M entries, i.e. sort(top)[M - k].
+Same value as ``topk.bucket_floor(..., bits)``, bit for bit: per row, the k-th
+largest of the row's M run maxima (``topk.run_maxima``, an XLA reduce of the
+scores) with its low 32 - bits bits cleared, so at least k valid keys of the
+row are >= it (k different runs each hold one); 0 when fewer than k runs hold a
+valid key, or when the row is too short for a floor (``topk.has_floor``).
+``bucket_floor`` finds it with an XLA sort of [rows, M]; this kernel with the
+radix search ``topk.kth_key`` over the top `bits` bits on one [1, MP] tile per
+row (MP = M rounded up to a power of two, the padding lanes dead).
 
-Reads ONLY its input (the run maxima); writes ONLY its output (the floors).
-Grid: (rows,), one program per row.
+It also writes the zeros that the filter kernel's per-row candidate counters
+start from, so that they cost no launch of their own.
+
+Reads ONLY its input (the run maxima); writes ONLY its outputs (the floors and
+the zeroed counters). Grid: (rows,), one program per row.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from . import _backend as B
 from . import topk as tk
 
 
-def _kernel(top_ref, floor_ref, *, k: int, m: int, mp: int):
-    # top_ref [rows, M] u32 run maxima; floor_ref [rows] u32
+def _kernel(top_ref, floor_ref, cnt_ref, *, k: int, m: int, mp: int, radix_bits: int, bits: int):
+    # top_ref [rows, M] u32 run maxima; floor_ref [rows] u32; cnt_ref [rows] i32 (zeros out)
     r = B.program_id(0)
     row = r + 0 * tk._iota((1,), 0)                                                 # [1]
     cols = tk._iota((1, mp), 1)                                                     # [1, MP]
@@ -35,26 +38,33 @@ def _kernel(top_ref, floor_ref, *, k: int, m: int, mp: int):
     else:
         live = cols < m
         top = B.gather(top_ref, rows, jnp.minimum(cols, m - 1), mask=live, other=0)
-    B.store(floor_ref.at[row], tk.kth_key(top, live, k), mask=row >= 0)            # [1]
+    B.store(cnt_ref.at[row], jnp.zeros((1,), jnp.int32), mask=row >= 0)
+    B.store(floor_ref.at[row], tk.kth_key(top, live, k, radix_bits, bits), mask=row >= 0)   # [1]
 
 
-def key_floor(scores, lengths, k: int, buckets: int, *, interpret=None, num_warps: int = tk.ROW_WARPS):
-    """scores [rows, n] f32, lengths [rows] i32 -> [rows] u32, == ``topk.bucket_floor``."""
+def key_floor(scores, lengths, k: int, buckets: int, *, bits: int = 32, radix_bits: int = tk.RADIX_BITS,
+              interpret=None, num_warps: int = tk.ROW_WARPS):
+    """scores [rows, n] f32, lengths [rows] i32 -> (floor [rows] u32 == ``topk.bucket_floor``,
+    zeros [rows] i32)."""
     rows, n_cols = scores.shape
     if not tk.has_floor(n_cols, k, buckets):
-        return jnp.zeros((rows,), jnp.uint32)
+        return jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32)
     top = tk.run_maxima(scores, lengths, buckets)                                   # [rows, M] (XLA)
-    return floor_of_maxima(top, k, interpret=interpret, num_warps=num_warps)
+    return floor_of_maxima(top, k, bits=bits, radix_bits=radix_bits, interpret=interpret,
+                           num_warps=num_warps)
 
 
-def floor_of_maxima(top, k: int, *, interpret=None, num_warps: int = tk.ROW_WARPS):
-    """top [rows, M] u32 (M >= k) -> [rows] u32: the k-th largest entry of each row."""
+def floor_of_maxima(top, k: int, *, bits: int = 32, radix_bits: int = tk.RADIX_BITS, interpret=None,
+                    num_warps: int = tk.ROW_WARPS):
+    """top [rows, M] u32 (M >= k) -> (floor [rows] u32: the k-th largest entry of each row,
+    its low 32 - bits bits cleared; zeros [rows] i32)."""
     rows, m = top.shape
     if m < k:
         raise ValueError(f"floor needs at least k = {k} run maxima per row, got {m}")
     interpret = B.resolve_interpret(interpret)
-    kern = functools.partial(_kernel, k=k, m=m, mp=tk.next_pow2(m))
+    kern = functools.partial(_kernel, k=k, m=m, mp=tk.next_pow2(m), radix_bits=radix_bits, bits=bits)
     return B.pallas_call(
-        kern, grid=(rows,), out_shape=jax.ShapeDtypeStruct((rows,), jnp.uint32),
+        kern, grid=(rows,),
+        out_shape=(jax.ShapeDtypeStruct((rows,), jnp.uint32), jax.ShapeDtypeStruct((rows,), jnp.int32)),
         input_output_aliases={}, interpret=interpret, name="kpool_topk_floor", num_warps=num_warps,
     )(top.astype(jnp.uint32))

@@ -53,3 +53,29 @@ def test_write_harness_keeps_every_call(monkeypatch):
                     lambda: (_timing.time_chain(step, jnp.ones((128, 128)), a, reps=4, trials=1),
                              (jnp.ones((128, 128)), a))[1])
     assert n == 4, f"the chain of 4 calls compiled to {n} matmuls"
+
+
+def test_read_harness_perturbs_only_what_it_is_told(monkeypatch):
+    """perturb=(1,) chains the calls through the small lengths argument only: the
+    calls still do not merge, and no call adds a 0 to the big scores argument (which
+    XLA cannot fuse into a Pallas kernel, so it wrote the scores out on every call)."""
+    import bench_read as br
+    x = jnp.ones((128, 128))
+    lengths = jnp.full((128,), 128, jnp.int32)
+    f = lambda x, l: jnp.sin(x @ br.masked(x, l))
+    args = (x, lengths)
+    n = _count_dots(monkeypatch, br, lambda: (br.time_read(f, args, reps=4, trials=1, perturb=(1,)), args)[1])
+    assert n == 4, f"the chain of 4 calls compiled to {n} matmuls"
+    seen = {}
+    orig = br.jax.jit
+
+    def spy(fn=None, **kw):
+        seen["jit"] = orig(fn, **kw)
+        return seen["jit"]
+    monkeypatch.setattr(br.jax, "jit", spy)
+    br.time_read(f, args, reps=3, trials=1, perturb=(1,))
+    jaxpr = str(jax.make_jaxpr(seen["jit"])(*args))
+    assert jaxpr.count("f32[128,128] = add") == 0 and jaxpr.count("i32[128] = add") == 2
+    import pytest
+    with pytest.raises(ValueError, match="perturb"):
+        br.time_read(f, args, reps=2, trials=1, perturb=(0, 2))

@@ -270,27 +270,30 @@ def test_topk_pools_tunings_are_exact(rng, tune):
 
 
 def test_topk_filter_auto_cap():
-    """filter_cap = 0 (the default) sizes the lists from the row: room for 5 k candidates
-    per row, or for every key when the row is too short for a floor; the select tile
-    (splits x cap) stays bounded. The H200 shape [64, 131072], k = 512 gets 64-slot
-    lists over 2048-score spans (137 us in the first GPU sweep)."""
+    """filter_cap = 0 (the default) sizes the row's list: room for 4 k candidates when
+    the row has a floor, for every key when it is too short for one, never more than
+    the row or MAX_SELECT_SLOTS. The H200 shape [64, 131072], k = 512: 32 programs of
+    4096 scores per row, 2048 slots (the floor passes ~590 keys of a random row)."""
     from pallas_kernels import topk as tk
     t = tk.Tuning()
     assert t.mode == "filter" and t.filter_cap == 0
-    assert tk.filter_shape(131072, 512, t) == (2048, 2048, 64, 64)
+    assert tk.filter_shape(131072, 512, t) == (4096, 32, 2048)
     for n, k in [(131072, 512), (8192, 512), (3000, 512), (1 << 20, 512), (2000, 24), (50, 24)]:
-        span, chunk, splits, cap = tk.filter_shape(n, k, t)
-        room = n if n < 2 * t.buckets_per_k * k else tk.FILTER_ROOM_PER_K * k
-        assert splits * span >= n > (splits - 1) * span and chunk <= span and cap <= span, (n, k)
-        assert splits * cap >= min(room, n) or tk.next_pow2(splits) * cap >= tk.MAX_SELECT_SLOTS, (n, k)
-        assert tk.next_pow2(splits) * cap <= max(tk.MAX_SELECT_SLOTS, tk.next_pow2(splits) * tk.FILTER_MIN_CAP)
+        chunk, splits, cap = tk.filter_shape(n, k, t)
+        floor = tk.has_floor(n, k, t.buckets_per_k * k)
+        room = tk.FILTER_ROOM_PER_K * k if floor else n
+        assert splits * chunk >= n > (splits - 1) * chunk, (n, k)
+        assert cap >= min(room, n, tk.MAX_SELECT_SLOTS) and cap <= max(16, tk.MAX_SELECT_SLOTS), (n, k)
+        assert cap & (cap - 1) == 0 and cap <= max(16, tk.next_pow2(n)), (n, k)
 
 
 # filter mode at test sizes: [6, 2048] scores, k = 24 (96 runs of 22 for the floor);
-# "one-load": 8 programs per row, one 256-score load each, 64-slot lists;
-# "loop": 4 programs per row, four 128-score loads each, 128-slot lists
-FILTER_TUNINGS = {"one-load": dict(mode="filter", filter_span=256, filter_chunk=256, filter_cap=64),
-                  "loop": dict(mode="filter", filter_span=512, filter_chunk=128, filter_cap=128)}
+# "chunks-256": 8 filter programs per row, 64-slot lists, 4 select parts, 16-bit floor;
+# "chunks-128": 16 filter programs per row, 128-slot lists, one select part, 2-bit
+# radix steps, exact 32-bit floor
+FILTER_TUNINGS = {"chunks-256": dict(mode="filter", filter_chunk=256, filter_cap=64),
+                  "chunks-128": dict(mode="filter", filter_chunk=128, filter_cap=128, select_parts=1,
+                                     radix_bits=2, floor_bits=32)}
 FILTER_ROWS, FILTER_N, FILTER_K = 6, 2048, 24
 
 
@@ -337,6 +340,31 @@ def test_topk_pools_filter_mode_is_exact(rng, case, tune):
     np.testing.assert_array_equal(got, np_topk(x, lengths, FILTER_K))
 
 
+@pytest.mark.parametrize("parts", [1, 4])
+def test_topk_select_ignores_list_order(rng, parts):
+    """The filter's programs reserve list slots in whatever order the GPU runs them
+    (interpret mode runs them in order): the select must give the same ids for any
+    order of a row's list. The lists are shuffled per row, with ties at the k-th key
+    (integer scores) and a row with fewer valid keys than k; a select that broke
+    ties by list position, or ranked only its own part, fails."""
+    from pallas_kernels import topk as tk
+    from pallas_kernels import topk_select
+    t = tk.Tuning(**FILTER_TUNINGS["chunks-256"])
+    x = rng.standard_normal((FILTER_ROWS, FILTER_N)).astype(np.float32)
+    x[1] = rng.integers(0, 150, FILTER_N)
+    lengths = np.array([FILTER_N, FILTER_N, 900, 10, FILTER_N, 3], np.int32)
+    xs, ls = jnp.asarray(x), jnp.asarray(lengths)
+    floor, cnt, keys, ids, over = tk._filter_lists(xs, ls, FILTER_K, None, t)
+    assert not bool(jnp.any(over))
+    cnt, keys, ids = np.asarray(cnt), np.array(keys), np.array(ids)
+    for r in range(FILTER_ROWS):
+        p = rng.permutation(cnt[r])
+        keys[r, : cnt[r]], ids[r, : cnt[r]] = keys[r, p], ids[r, p]
+    got = topk_select.select_candidates(xs, ls, floor, jnp.asarray(cnt), jnp.asarray(keys), jnp.asarray(ids),
+                                        FILTER_K, parts=parts)
+    np.testing.assert_array_equal(np.asarray(got), np_topk(x, lengths, FILTER_K))
+
+
 def test_topk_emit_ranks_only_tiles_with_survivors(rng):
     """At k = 256 the rank emit works in 4 tiles of 64 survivors and runs only the
     tiles that hold some: rows with 256, 100, 64, 1 and 0 valid keys (the stream
@@ -355,7 +383,9 @@ def test_topk_emit_ranks_only_tiles_with_survivors(rng):
 @pytest.mark.parametrize("k, n", [(24, 2000), (16, 1024), (16, 100)], ids=["M=96", "M=64", "no-floor"])
 @pytest.mark.parametrize("data", ["random", "ties"])
 def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
-    """The Pallas floor (radix k-th of the run maxima) == the XLA sort floor, bit for bit."""
+    """The Pallas floor (radix k-th of the run maxima) == the XLA sort floor, bit for bit,
+    over all 32 bits and over the top 16 (low bits cleared: lower, still >= k keys);
+    the kernel also hands the filter its zeroed counters."""
     from pallas_kernels import topk as tk
     from pallas_kernels import topk_floor
     rows, buckets = 5, 4 * k
@@ -364,10 +394,17 @@ def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
     x[1, rng.random(n) < 0.1] = np.nan
     lengths = np.array([n, n // 2, 0, 5, n + 7], np.int32)
     xs, ls = jnp.asarray(x), jnp.asarray(lengths)
-    want = np.asarray(tk.bucket_floor(xs, ls, k, buckets))
-    got = np.asarray(topk_floor.key_floor(xs, ls, k, buckets))
-    np.testing.assert_array_equal(got, want)
-    assert (want[[0, 1]] > 0).all() == (n >= 2 * buckets) and (want[[2, 3]] == 0).all()
+    keys = np.asarray(ref.order_key(xs))
+    live = np.arange(n)[None, :] < lengths[:, None]
+    for bits, radix in [(32, 2), (32, 4), (16, 4)]:
+        want = np.asarray(tk.bucket_floor(xs, ls, k, buckets, bits))
+        got, zeros = topk_floor.key_floor(xs, ls, k, buckets, bits=bits, radix_bits=radix)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{bits} bits")
+        np.testing.assert_array_equal(np.asarray(zeros), np.zeros(rows, np.int32))
+        assert (want[[0, 1]] > 0).all() == (n >= 2 * buckets) and (want[[2, 3]] == 0).all()
+        assert (((keys >= want[:, None]) & live).sum(axis=1) >= np.minimum(k, lengths)).all()
+    full = np.asarray(tk.bucket_floor(xs, ls, k, buckets))
+    assert (want == full & np.uint32(0xFFFF0000)).all()
 
 
 def test_topk_filter_keeps_keys_at_the_floor(rng):
