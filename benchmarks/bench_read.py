@@ -175,6 +175,7 @@ def bench_topk(rows, n, k, reps, trials):
         "xla topk_pools (exact keys)": lambda x, l: ops.topk_pools(x, l, k, implementation="xla"),
         "lax.top_k": lambda x, l: lax.top_k(masked(x, l), k)[1],
         "read the scores once (XLA max)": lambda x, l: jnp.max(masked(x, l), axis=1),
+        "harness only (lengths + 1)": lambda x, l: l + 1,
     }
     res = {name: time_read(f, (x, lengths), reps, trials, perturb=(1,)) for name, f in fns.items()}
     base, once = res["lax.top_k"], res["read the scores once (XLA max)"]
@@ -194,14 +195,14 @@ def bench_topk_parts(rows, n, k, reps, trials):
     + floor; + filter; + select, which is the whole topk_pools), each as a fraction
     of the whole."""
     from pallas_kernels import topk as tk
-    from pallas_kernels import topk_filter, topk_floor
+    from pallas_kernels import topk_filter, topk_floor, topk_maxima
     t = tk.Tuning()
     x = jax.random.normal(jax.random.PRNGKey(7), (rows, n), jnp.float32)
     lengths = jnp.full((rows,), n, jnp.int32)
     chunk, _, cap = tk.filter_shape(n, k, t)
 
     def maxima(x, l):
-        return tk.run_maxima(x, l, t.buckets_per_k * k)
+        return topk_maxima.run_maxima(x, l, t.buckets_per_k * k)
 
     def floor(x, l):
         return topk_floor.key_floor(x, l, k, t.buckets_per_k * k, bits=t.floor_bits,
@@ -210,7 +211,7 @@ def bench_topk_parts(rows, n, k, reps, trials):
     def lists(x, l):
         return topk_filter.filter_candidates(x, l, *floor(x, l), chunk=chunk, cap=cap, num_warps=t.num_warps)
 
-    fns = {"run maxima (XLA)": maxima, "+ floor": lambda x, l: floor(x, l)[0],
+    fns = {"run maxima": maxima, "+ floor": lambda x, l: floor(x, l)[0],
            "+ filter": lambda x, l: lists(x, l)[1],
            "+ select (all of topk_pools)": lambda x, l: tk.topk_pools(x, l, k, tune=t)}
     res = {name: time_read(f, (x, lengths), reps, trials, perturb=(1,)) for name, f in fns.items()}
@@ -225,22 +226,24 @@ LOGITS_SWEEP = [(1, 8, 4), (2, 4, 4), (4, 2, 4), (8, 1, 4), (4, 2, 8), (8, 1, 8)
 # chunks and 8 warps lost, the pre-filter won 1.37x; these are the ones left open
 TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528, 4, 4)]
 # filter mode (topk.Tuning keyword arguments): Pallas floor, one filter pass into a
-# per-row candidate list (one atomic reservation per program), PARTS select programs
-# per row. Session 7 rewrote all three kernels; the shapes below bracket the defaults.
+# per-row candidate list (one atomic reservation per program), a select that ranks
+# the candidates pairwise. Session 7 rewrote the kernels; these bracket the defaults.
 TOPK_FILTER_SWEEP = [
-    dict(),                                                   # default: chunk 4096, cap auto, 4 parts
+    dict(),                                                   # default: chunk 4096, cap auto, TI 64 TJ 128
     dict(filter_chunk=2048),
     dict(filter_chunk=8192),
-    dict(filter_chunk=2048, num_warps=8),
-    dict(select_parts=2),
-    dict(select_parts=8),
-    dict(select_parts=16),
-    dict(radix_bits=2, floor_bits=16),
+    dict(filter_chunk=8192, num_warps=8),
+    dict(select_ti=32),
+    dict(select_ti=128),
+    dict(select_tj=64),
+    dict(select_tj=256),
+    dict(select_warps=8),
+    dict(radix_bits=4),
     dict(floor_bits=32),
     dict(row_warps=4),
     dict(filter_cap=1024),
 ]
-TOPK_FILTER_QUICK = [dict(), dict(filter_chunk=512, select_parts=2)]
+TOPK_FILTER_QUICK = [dict(), dict(filter_chunk=512, select_ti=16)]
 
 
 def topk_tuning(v):
@@ -251,8 +254,8 @@ def topk_tuning(v):
 
 def topk_label(t) -> str:
     if t.mode == "filter":
-        return (f"filter ld={t.filter_chunk} cap={t.filter_cap or 'auto'} parts={t.select_parts} "
-                f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.num_warps}/{t.row_warps}")
+        return (f"filter ld={t.filter_chunk} cap={t.filter_cap or 'auto'} sel={t.select_ti}x{t.select_tj} "
+                f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.num_warps}/{t.row_warps}/{t.select_warps}")
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 
 
@@ -337,11 +340,13 @@ def main(argv=None):
     if not a.skip_prefill:
         for c in prefill:
             rows += bench_prefill(cfg, c, 1 if not a.quick else reps, min(trials, 3), a.quick)
-    if not a.skip_topk:
-        rows += bench_topk(*topk_case, reps, trials)
-        rows += bench_topk_parts(*topk_case, reps, trials)
+    if not a.skip_topk:                                 # 50 calls: the chain's own cost per call
+        t_reps = reps if a.quick else 50                # (dispatch, sync) shrinks to ~1/50
+        rows += bench_topk(*topk_case, t_reps, trials)
+        rows += bench_topk_parts(*topk_case, t_reps, trials)
     if a.sweep:
-        rows += bench_sweep(cfg, *(decode[0] if a.quick else (64, 131072)), topk_case, reps, trials, a.quick,
+        rows += bench_sweep(cfg, *(decode[0] if a.quick else (64, 131072)), topk_case, reps if a.quick else 50,
+                            trials, a.quick,
                             which=a.sweep_only or ("logits", "topk"))
 
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")

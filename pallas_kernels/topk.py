@@ -33,14 +33,15 @@ Grid: scores: (1, ceil(rows / BN), splits); candidates (merge): (B, ceil(n / BN)
 Buffer row of padded row p (of B * ceil(n / BN) * BN) in split s: p * splits + s.
 
 ``topk_pools`` runs this streaming path in mode "stream" (``Tuning.mode``).
-Mode "filter" (the default) runs three lean kernels instead, each in its own file:
-``topk_floor`` (the key floor of ``bucket_floor``, by a radix k-th search in
-place of an XLA sort; it also zeroes the filter's counters), ``topk_filter``
-(one pass: each (row, chunk) program reserves room in its row's candidate list
-with one atomic add and writes its keys >= floor there; a count > CAP means
-overflow) and ``topk_select`` (PARTS programs per row: exact k-th key of the
-list, the k survivors, ids by rank; a row whose list overflowed runs this
-streaming path, with the same floor, inside the select kernel).
+Mode "filter" (the default) runs four lean kernels instead, each in its own file:
+``topk_maxima`` (the row's run maxima), ``topk_floor`` (the key floor of
+``bucket_floor``, by a radix k-th search of the maxima in place of an XLA sort;
+it also zeroes the filter's counters), ``topk_filter`` (one pass: each (row,
+chunk) program reserves room in its row's candidate list with one atomic add and
+writes its keys >= floor there; a count > CAP means overflow) and ``topk_select``
+(each candidate ranked against the row's others, ids by rank; a row whose list
+overflowed runs this streaming path, with the same floor, inside the select
+kernel).
 """
 from __future__ import annotations
 
@@ -136,13 +137,18 @@ def kth_key(key, live, k, radix_bits: int = RADIX_BITS, bits: int = 32):
     if 32 % radix_bits or bits % radix_bits or not 0 < bits <= 32:
         raise ValueError(f"kth_key: {radix_bits} radix bits do not divide {bits} / 32 bits")
     kk = k if isinstance(k, int) else k[:, None]                                     # int or [BN, 1]
+    d = _iota((1, 1 << radix_bits, 1), 1).astype(jnp.uint32)                        # [1, D, 1]
 
     def step(j, t):
+        # ONE reduction per step (all D digit counts at once): on the GPU a reduction
+        # across warps costs a shared-memory round trip and barrier. With one sum per
+        # digit instead, a whole top-k took 155 us at 4-bit steps (128 sums) and 125 us
+        # at 2-bit steps (64 sums) in session 7's first sweep
         shift = (32 - radix_bits - radix_bits * j).astype(jnp.uint32)
-        nd = jnp.zeros((bn,), jnp.int32)
-        for d in range(1 << radix_bits):            # one [BN, C] count per digit: C lanes live at once
-            ge = live & (key >= (t | (jnp.uint32(d) << shift))[:, None])             # [BN, C]
-            nd += (jnp.sum(ge.astype(jnp.int32), axis=1, keepdims=True) >= kk).astype(jnp.int32)[:, 0]
+        cand = t[:, None, None] | (d << shift)                                       # [BN, D, 1]
+        ge = live[:, None, :] & (key[:, None, :] >= cand)                            # [BN, D, C]
+        c = jnp.sum(ge.astype(jnp.int32), axis=2)                                    # [BN, D]
+        nd = jnp.sum((c >= kk).astype(jnp.int32), axis=1)                            # [BN]
         return t | (jnp.maximum(nd - 1, 0).astype(jnp.uint32) << shift)
 
     return lax.fori_loop(0, bits // radix_bits, step, jnp.zeros((bn,), jnp.uint32))
@@ -416,15 +422,16 @@ class Tuning:
     (0 = no pre-filter); num_warps: warps of the streaming kernel (and of the filter
     kernel in filter mode).
 
-    mode: "stream" (the streaming filter + merge) or "filter" (Pallas floor, one
-    filter pass into a per-row candidate list, PARTS select programs per row; a row
-    whose list overflowed takes the streaming path inside the select kernel).
-    filter_chunk: scores per filter program (one load); filter_cap: slots of a
-    row's candidate list (0 = auto, ``filter_shape``); select_parts: select
-    programs per row; radix_bits: bits per step of the floor and select radix
-    searches; floor_bits: how many top bits of the floor are searched (the rest
+    mode: "stream" (the streaming filter + merge) or "filter" (Pallas run maxima and
+    floor, one filter pass into a per-row candidate list, a select that ranks the
+    candidates pairwise; a row whose list overflowed takes the streaming path
+    inside the select kernel). filter_chunk: scores per filter program (one load);
+    filter_cap: slots of a row's candidate list (0 = auto, ``filter_shape``);
+    select_ti / select_tj: candidates a select program ranks / compares them with
+    per step; select_warps: its warps; radix_bits: bits per step of the floor's
+    radix search; floor_bits: how many top bits of the floor are searched (the rest
     cleared: a slightly lower floor in fewer steps); row_warps: warps of the floor
-    and select kernels."""
+    kernel (one program per row)."""
     score_chunk: int = SCORE_CHUNK
     target_programs: int = TARGET_PROGRAMS
     buckets_per_k: int = 4
@@ -432,8 +439,10 @@ class Tuning:
     mode: str = "filter"
     filter_chunk: int = FILTER_CHUNK
     filter_cap: int = FILTER_CAP
-    select_parts: int = 4
-    radix_bits: int = 4
+    select_ti: int = 64
+    select_tj: int = 128
+    select_warps: int = 4
+    radix_bits: int = 2
     floor_bits: int = 16
     row_warps: int = ROW_WARPS
 
@@ -443,7 +452,8 @@ class Tuning:
         if (not pow2(self.score_chunk, 16) or self.buckets_per_k < 0 or self.mode not in MODES
                 or not pow2(self.filter_chunk, 16)
                 or not (self.filter_cap == 0 or pow2(self.filter_cap, 16))
-                or not pow2(self.select_parts, 1) or self.radix_bits not in (1, 2, 4, 8)
+                or not pow2(self.select_ti, 1) or not pow2(self.select_tj, 1) or self.select_warps < 1
+                or self.radix_bits not in (1, 2, 4, 8)
                 or self.floor_bits % self.radix_bits or not 0 < self.floor_bits <= 32
                 or self.num_warps < 1 or self.row_warps < 1):
             raise ValueError(f"bad topk tuning {self}")
@@ -528,8 +538,8 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
         # row whose list overflowed. No host round trip, no second launch.
         from . import topk_select
         floor, cnt, keys, ids, _ = _filter_lists(scores, lengths, k, interpret, tune)
-        return topk_select.select_candidates(scores, lengths, floor, cnt, keys, ids, k,
-                                             parts=tune.select_parts, radix_bits=tune.radix_bits,
-                                             interpret=interpret, num_warps=tune.row_warps)
+        return topk_select.select_candidates(scores, lengths, floor, cnt, keys, ids, k, ti=tune.select_ti,
+                                             tj=tune.select_tj, interpret=interpret,
+                                             num_warps=tune.select_warps)
     floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
     return _stream_path(scores, lengths, floor, k, splits, interpret, tune)

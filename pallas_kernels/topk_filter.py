@@ -2,9 +2,11 @@
 
 One pass over the scores with a fixed per-row key floor (``topk_floor``): a
 program owns one row and one chunk of CHUNK consecutive columns, loads it with
-ONE vector load that does not wait for anything (the columns past the array are
-clamped to its last column, the row length is applied after the load), and keeps
-the candidates with ``order_key(score) >= floor`` and id < length. It reserves
+ONE load that does not wait for anything (unmasked: when n is a multiple of
+CHUNK its columns are contiguous and in bounds, so it vectorises; otherwise the
+columns past the array are clamped to its last column; the row length is applied
+after the load), and keeps the candidates with ``order_key(score) >= floor`` and
+id < length. It reserves
 room for them in the row's candidate list with one atomic add on the row's
 counter, then writes keys and ids at base + (exclusive cumsum of its keep mask).
 The counter ends as the number of candidates of the row, which may exceed CAP:
@@ -43,7 +45,10 @@ def _kernel(len_ref, floor_ref, x_ref, _cnt_in, cnt_ref, kl_ref, il_ref, *, n_co
     row = r + 0 * tk._iota((1,), 0)                                                 # [1]
     cols = s * chunk + tk._iota((1, chunk), 1)                                      # [1, CH] ids
     rows = row[:, None] + 0 * cols
-    x = B.gather(x_ref, rows, jnp.minimum(cols, n_cols - 1))                        # [1, CH], no wait
+    if n_cols % chunk == 0:                                                         # in bounds: one
+        x = B.gather(x_ref, rows, cols)                                             # vector load
+    else:                                                                           # clamped lanes
+        x = B.gather(x_ref, rows, jnp.minimum(cols, n_cols - 1))                    # are dropped below
     hi = jnp.minimum(B.load(len_ref.at[row]), n_cols)                               # [1] valid ids < hi
     floor = B.load(floor_ref.at[row])                                               # [1] u32
     key = tk.order_key(x)                                                           # [1, CH] u32

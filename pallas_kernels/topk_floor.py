@@ -1,8 +1,8 @@
 """Kernel: the key floor of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
 
 Same value as ``topk.bucket_floor(..., bits)``, bit for bit: per row, the k-th
-largest of the row's M run maxima (``topk.run_maxima``, an XLA reduce of the
-scores) with its low 32 - bits bits cleared, so at least k valid keys of the
+largest of the row's M run maxima (``topk_maxima``, a Pallas pass over the
+scores equal to the XLA ``topk.run_maxima``) with its low 32 - bits bits cleared, so at least k valid keys of the
 row are >= it (k different runs each hold one); 0 when fewer than k runs hold a
 valid key, or when the row is too short for a floor (``topk.has_floor``).
 ``bucket_floor`` finds it with an XLA sort of [rows, M]; this kernel with the
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from . import _backend as B
 from . import topk as tk
+from . import topk_maxima
 
 
 def _kernel(top_ref, floor_ref, cnt_ref, *, k: int, m: int, mp: int, radix_bits: int, bits: int):
@@ -49,7 +50,7 @@ def key_floor(scores, lengths, k: int, buckets: int, *, bits: int = 32, radix_bi
     rows, n_cols = scores.shape
     if not tk.has_floor(n_cols, k, buckets):
         return jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32)
-    top = tk.run_maxima(scores, lengths, buckets)                                   # [rows, M] (XLA)
+    top = topk_maxima.run_maxima(scores, lengths, buckets, interpret=interpret)     # [rows, M]
     return floor_of_maxima(top, k, bits=bits, radix_bits=radix_bits, interpret=interpret,
                            num_warps=num_warps)
 

@@ -288,12 +288,13 @@ def test_topk_filter_auto_cap():
 
 
 # filter mode at test sizes: [6, 2048] scores, k = 24 (96 runs of 22 for the floor);
-# "chunks-256": 8 filter programs per row, 64-slot lists, 4 select parts, 16-bit floor;
-# "chunks-128": 16 filter programs per row, 128-slot lists, one select part, 2-bit
-# radix steps, exact 32-bit floor
+# "chunks-256": 8 filter programs per row, 64-slot lists, the default select tiles
+# (one program ranks all 64), 16-bit floor in 2-bit steps;
+# "chunks-128": 16 filter programs per row, 128-slot lists, select programs of 16
+# candidates compared 32 at a time, exact 32-bit floor in 4-bit steps
 FILTER_TUNINGS = {"chunks-256": dict(mode="filter", filter_chunk=256, filter_cap=64),
-                  "chunks-128": dict(mode="filter", filter_chunk=128, filter_cap=128, select_parts=1,
-                                     radix_bits=2, floor_bits=32)}
+                  "chunks-128": dict(mode="filter", filter_chunk=128, filter_cap=128, select_ti=16,
+                                     select_tj=32, radix_bits=4, floor_bits=32)}
 FILTER_ROWS, FILTER_N, FILTER_K = 6, 2048, 24
 
 
@@ -340,13 +341,13 @@ def test_topk_pools_filter_mode_is_exact(rng, case, tune):
     np.testing.assert_array_equal(got, np_topk(x, lengths, FILTER_K))
 
 
-@pytest.mark.parametrize("parts", [1, 4])
-def test_topk_select_ignores_list_order(rng, parts):
+@pytest.mark.parametrize("ti, tj", [(64, 128), (8, 16)])
+def test_topk_select_ignores_list_order(rng, ti, tj):
     """The filter's programs reserve list slots in whatever order the GPU runs them
     (interpret mode runs them in order): the select must give the same ids for any
     order of a row's list. The lists are shuffled per row, with ties at the k-th key
     (integer scores) and a row with fewer valid keys than k; a select that broke
-    ties by list position, or ranked only its own part, fails."""
+    ties by list position, or ranked against only its own tile, fails."""
     from pallas_kernels import topk as tk
     from pallas_kernels import topk_select
     t = tk.Tuning(**FILTER_TUNINGS["chunks-256"])
@@ -361,7 +362,7 @@ def test_topk_select_ignores_list_order(rng, parts):
         p = rng.permutation(cnt[r])
         keys[r, : cnt[r]], ids[r, : cnt[r]] = keys[r, p], ids[r, p]
     got = topk_select.select_candidates(xs, ls, floor, jnp.asarray(cnt), jnp.asarray(keys), jnp.asarray(ids),
-                                        FILTER_K, parts=parts)
+                                        FILTER_K, ti=ti, tj=tj)
     np.testing.assert_array_equal(np.asarray(got), np_topk(x, lengths, FILTER_K))
 
 
@@ -407,9 +408,31 @@ def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
     assert (want == full & np.uint32(0xFFFF0000)).all()
 
 
+@pytest.mark.parametrize("rows, n, m", [(3, 4096, 256), (3, 2000, 96), (4, 1000, 64), (2, 300, 100)],
+                         ids=["exact", "ragged", "runs-16", "runs-3"])
+def test_topk_maxima_kernel_matches_xla(rng, rows, n, m):
+    """The Pallas run maxima == the XLA reduce, bit for bit: NaN (key 1), lengths inside,
+    past and at 0, runs that straddle the row's length, and shapes where the runs do
+    not tile the row (the masked load)."""
+    from pallas_kernels import topk as tk
+    from pallas_kernels import topk_maxima
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[0, rng.random(n) < 0.1] = np.nan
+    x[1, : n // 2] = -np.abs(x[1, : n // 2])
+    lengths = np.array([n, n // 3 + 1, n + 5, 0][:rows], np.int32)
+    xs, ls = jnp.asarray(x), jnp.asarray(lengths)
+    want = np.asarray(tk.run_maxima(xs, ls, m))
+    np.testing.assert_array_equal(np.asarray(topk_maxima.run_maxima(xs, ls, m)), want)
+    used = -(-n // -(-n // m))                                              # runs that hold columns
+    assert (want[0, :used] > 0).all() and (want[0, used:] == 0).all()
+    assert (want[rows - 1] == 0).all() == (lengths[rows - 1] == 0)
+
+
 def test_topk_filter_keeps_keys_at_the_floor(rng):
-    """The k-th key sits exactly at the floor, its ties spread over several lists: a
-    filter that dropped a key == floor, or any list entry, changes the result."""
+    """The k-th key sits exactly at the floor, its ties spread over several filter
+    programs: the filter's count and list hold exactly the valid keys >= floor (one
+    dropped at the floor, or lost in a reservation, shows), and the top-k is exact
+    whether or not the list overflowed."""
     from pallas_kernels import topk as tk
     rows, n, k = 4, FILTER_N, FILTER_K
     run = -(-n // (4 * k))                                                  # 96 runs of 22
@@ -427,9 +450,18 @@ def test_topk_filter_keeps_keys_at_the_floor(rng):
     assert (floor == np.asarray(ref.order_key(jnp.float32(0.5)))).all()
     want = np_topk(x, lengths, k)
     assert (x[np.arange(rows), want[:, -1]] == 0.5).all()                   # k-th key == floor
+    keys = np.asarray(ref.order_key(xs))
+    at_least = keys >= floor[:, None]                                       # every key the filter keeps
     for name, kw in FILTER_TUNINGS.items():
         t = tk.Tuning(**kw)
-        assert not bool(tk.filter_overflowed(xs, ls, k, tune=t)), name
+        fl, cnt, kl, il, over = (np.asarray(v) for v in tk._filter_lists(xs, ls, k, None, t))
+        np.testing.assert_array_equal(fl, floor, err_msg=name)              # 0.5 needs no low bits
+        np.testing.assert_array_equal(cnt, at_least.sum(axis=1), err_msg=name)
+        for r in range(rows):
+            if cnt[r] <= kl.shape[1]:                                       # the list holds all of them
+                assert sorted(il[r, : cnt[r]]) == list(np.flatnonzero(at_least[r])), (name, r)
+                np.testing.assert_array_equal(kl[r, : cnt[r]], keys[r, il[r, : cnt[r]]])
+        assert over.tolist() == (cnt > kl.shape[1]).tolist()
         np.testing.assert_array_equal(np.asarray(tk.topk_pools(xs, ls, k, tune=t)), want, err_msg=name)
 
 
