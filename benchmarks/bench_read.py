@@ -199,7 +199,7 @@ def bench_topk_parts(rows, n, k, reps, trials):
     t = tk.Tuning()
     x = jax.random.normal(jax.random.PRNGKey(7), (rows, n), jnp.float32)
     lengths = jnp.full((rows,), n, jnp.int32)
-    chunk, _, cap = tk.filter_shape(n, k, t)
+    cap = tk.filter_cap(n, k, t)
 
     def maxima(x, l):
         return topk_maxima.run_maxima(x, l, t.buckets_per_k * k)
@@ -209,7 +209,8 @@ def bench_topk_parts(rows, n, k, reps, trials):
                                     radix_bits=t.radix_bits, num_warps=t.row_warps)
 
     def lists(x, l):
-        return topk_filter.filter_candidates(x, l, *floor(x, l), chunk=chunk, cap=cap, num_warps=t.num_warps)
+        return topk_filter.filter_candidates(x, l, *floor(x, l), t.buckets_per_k * k, cap=cap,
+                                             num_warps=t.num_warps)
 
     fns = {"run maxima": maxima, "+ floor": lambda x, l: floor(x, l)[0],
            "+ filter": lambda x, l: lists(x, l)[1],
@@ -229,21 +230,21 @@ TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528
 # per-row candidate list (one atomic reservation per program), a select that ranks
 # the candidates pairwise. Session 7 rewrote the kernels; these bracket the defaults.
 TOPK_FILTER_SWEEP = [
-    dict(),                                                   # default: chunk 4096, cap auto, TI 64 TJ 128
-    dict(filter_chunk=2048),
-    dict(filter_chunk=8192),
-    dict(filter_chunk=8192, num_warps=8),
+    dict(),                                                   # default: cap auto, select 64 x 64
+    dict(num_warps=8),
     dict(select_ti=32),
     dict(select_ti=128),
-    dict(select_tj=64),
-    dict(select_tj=256),
+    dict(select_tj=32),
+    dict(select_tj=128),
+    dict(select_ti=128, select_tj=32),
     dict(select_warps=8),
+    dict(select_ti=128, select_warps=8),
     dict(radix_bits=4),
     dict(floor_bits=32),
     dict(row_warps=4),
-    dict(filter_cap=1024),
+    dict(buckets_per_k=8),
 ]
-TOPK_FILTER_QUICK = [dict(), dict(filter_chunk=512, select_ti=16)]
+TOPK_FILTER_QUICK = [dict(), dict(select_ti=16, select_tj=16)]
 
 
 def topk_tuning(v):
@@ -254,7 +255,7 @@ def topk_tuning(v):
 
 def topk_label(t) -> str:
     if t.mode == "filter":
-        return (f"filter ld={t.filter_chunk} cap={t.filter_cap or 'auto'} sel={t.select_ti}x{t.select_tj} "
+        return (f"filter bpk={t.buckets_per_k} cap={t.filter_cap or 'auto'} sel={t.select_ti}x{t.select_tj} "
                 f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.num_warps}/{t.row_warps}/{t.select_warps}")
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 

@@ -35,11 +35,12 @@ Buffer row of padded row p (of B * ceil(n / BN) * BN) in split s: p * splits + s
 ``topk_pools`` runs this streaming path in mode "stream" (``Tuning.mode``).
 Mode "filter" (the default) runs four lean kernels instead, each in its own file:
 ``topk_maxima`` (the row's run maxima), ``topk_floor`` (the key floor of
-``bucket_floor``, by a radix k-th search of the maxima in place of an XLA sort;
-it also zeroes the filter's counters), ``topk_filter`` (one pass: each (row,
-chunk) program reserves room in its row's candidate list with one atomic add and
-writes its keys >= floor there; a count > CAP means overflow) and ``topk_select``
-(each candidate ranked against the row's others, ids by rank; a row whose list
+``bucket_floor``, by a radix k-th search of the maxima in place of an XLA sort,
+and the list of runs whose maximum reaches it; it also zeroes the filter's
+counters), ``topk_filter`` (reads only those runs, ~a quarter of the row: each
+program reserves room in its row's candidate list with one atomic add and writes
+its keys >= floor there; a count > CAP means overflow) and ``topk_select`` (each
+candidate ranked against the row's others, ids by rank; a row whose list
 overflowed runs this streaming path, with the same floor, inside the select
 kernel).
 """
@@ -406,11 +407,10 @@ def run_maxima(scores, lengths, buckets: int):
 
 
 MODES = ("stream", "filter")
-FILTER_CHUNK = 4096            # scores per filter program, one vector load (filter mode)
-FILTER_CAP = 0                 # candidate slots per row; 0 = auto (filter_shape)
+FILTER_CAP = 0                 # candidate slots per row; 0 = auto (filter_cap)
 FILTER_ROOM_PER_K = 4          # auto: room for 4 k candidates per row (the floor admits ~1.15 k)
-ROW_WARPS = 8                  # warps of the floor and select kernels
-MAX_SELECT_SLOTS = 8192        # the select kernel's per-row tile (CAP) at most
+ROW_WARPS = 8                  # warps of the floor kernel (one program per row)
+MAX_SELECT_SLOTS = 8192        # the candidate list (CAP) at most, when the row has a floor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,24 +423,22 @@ class Tuning:
     kernel in filter mode).
 
     mode: "stream" (the streaming filter + merge) or "filter" (Pallas run maxima and
-    floor, one filter pass into a per-row candidate list, a select that ranks the
-    candidates pairwise; a row whose list overflowed takes the streaming path
-    inside the select kernel). filter_chunk: scores per filter program (one load);
-    filter_cap: slots of a row's candidate list (0 = auto, ``filter_shape``);
-    select_ti / select_tj: candidates a select program ranks / compares them with
-    per step; select_warps: its warps; radix_bits: bits per step of the floor's
-    radix search; floor_bits: how many top bits of the floor are searched (the rest
-    cleared: a slightly lower floor in fewer steps); row_warps: warps of the floor
-    kernel (one program per row)."""
+    floor, a filter pass over the runs that reach the floor into a per-row candidate
+    list, a select that ranks the candidates pairwise; a row whose list overflowed
+    takes the streaming path inside the select kernel). filter_cap: slots of a
+    row's candidate list (0 = auto, ``filter_cap``); select_ti / select_tj:
+    candidates a select program ranks / compares them with per step; select_warps:
+    its warps; radix_bits: bits per step of the floor's radix search; floor_bits:
+    how many top bits of the floor are searched (the rest cleared: a slightly lower
+    floor in fewer steps); row_warps: warps of the floor kernel."""
     score_chunk: int = SCORE_CHUNK
     target_programs: int = TARGET_PROGRAMS
     buckets_per_k: int = 4
     num_warps: int = 4
     mode: str = "filter"
-    filter_chunk: int = FILTER_CHUNK
     filter_cap: int = FILTER_CAP
     select_ti: int = 64
-    select_tj: int = 128
+    select_tj: int = 64
     select_warps: int = 4
     radix_bits: int = 2
     floor_bits: int = 16
@@ -450,7 +448,6 @@ class Tuning:
         def pow2(v, lo):
             return v >= lo and not v & (v - 1)
         if (not pow2(self.score_chunk, 16) or self.buckets_per_k < 0 or self.mode not in MODES
-                or not pow2(self.filter_chunk, 16)
                 or not (self.filter_cap == 0 or pow2(self.filter_cap, 16))
                 or not pow2(self.select_ti, 1) or not pow2(self.select_tj, 1) or self.select_warps < 1
                 or self.radix_bits not in (1, 2, 4, 8)
@@ -459,21 +456,18 @@ class Tuning:
             raise ValueError(f"bad topk tuning {self}")
 
 
-def filter_shape(n_cols: int, k: int, tune: Tuning):
-    """(chunk, splits, cap): scores per filter program, programs per row, slots of a
-    row's candidate list.
-
-    cap = tune.filter_cap, or with filter_cap == 0 (auto) room for FILTER_ROOM_PER_K * k
-    candidates (the floor admits ~1.15 k keys of a random row), or for every key when
-    there is no floor (n < 2 * buckets): so a list overflows only on skewed or tied
-    rows, not because the row is short. Capped at MAX_SELECT_SLOTS (the select's tile).
+def filter_cap(n_cols: int, k: int, tune: Tuning) -> int:
+    """Slots of a row's candidate list: tune.filter_cap, or with filter_cap == 0 (auto)
+    room for FILTER_ROOM_PER_K * k candidates (the floor admits ~1.15 k keys of a
+    random row; at most MAX_SELECT_SLOTS), or for every key when the row is too
+    short for a floor (n < 2 * buckets: then the list is every valid key, in id
+    order, built without a kernel). So a list overflows only on skewed or tied rows.
     """
-    chunk = min(tune.filter_chunk, next_pow2(n_cols))
-    cap = tune.filter_cap
-    if not cap:
-        room = FILTER_ROOM_PER_K * k if has_floor(n_cols, k, tune.buckets_per_k * k) else n_cols
-        cap = max(16, min(next_pow2(room), next_pow2(n_cols), MAX_SELECT_SLOTS))
-    return chunk, -(-n_cols // chunk), cap
+    if not has_floor(n_cols, k, tune.buckets_per_k * k):
+        return max(16, next_pow2(n_cols))
+    if tune.filter_cap:
+        return tune.filter_cap
+    return max(16, min(next_pow2(FILTER_ROOM_PER_K * k), next_pow2(n_cols), MAX_SELECT_SLOTS))
 
 
 def _stream_path(scores, lengths, floor, k: int, splits, interpret, tune: Tuning):
@@ -494,15 +488,23 @@ def _stream_path(scores, lengths, floor, k: int, splits, interpret, tune: Tuning
 
 
 def _filter_lists(scores, lengths, k: int, interpret, tune: Tuning):
-    """Filter mode, first two kernels: (floor [rows] u32, counts [rows] i32,
-    keys [rows, CAP] u32, ids [rows, CAP] i32, overflowed [rows] bool)."""
+    """Filter mode before the select: (floor [rows] u32, counts [rows] i32, keys [rows, CAP]
+    u32, ids [rows, CAP] i32, overflowed [rows] bool). Rows too short for a floor
+    (``has_floor``) get every valid key, in id order, from XLA (floor 0)."""
     from . import topk_filter, topk_floor
-    floor, zeros = topk_floor.key_floor(scores, lengths, k, tune.buckets_per_k * k, bits=tune.floor_bits,
-                                        radix_bits=tune.radix_bits, interpret=interpret,
-                                        num_warps=tune.row_warps)
-    chunk, _, cap = filter_shape(scores.shape[1], k, tune)
-    cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, zeros, chunk=chunk, cap=cap,
-                                                   interpret=interpret, num_warps=tune.num_warps)
+    rows, n_cols = scores.shape
+    buckets = tune.buckets_per_k * k
+    cap = filter_cap(n_cols, k, tune)
+    if not has_floor(n_cols, k, buckets):
+        keys = jnp.pad(order_key(scores), ((0, 0), (0, cap - n_cols)))
+        ids = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (rows, cap))
+        cnt = jnp.clip(lengths, 0, n_cols)
+        return jnp.zeros((rows,), jnp.uint32), cnt, keys, ids, cnt > cap
+    floor, zeros, runs, n_runs = topk_floor.key_floor(scores, lengths, k, buckets, bits=tune.floor_bits,
+                                                      radix_bits=tune.radix_bits, interpret=interpret,
+                                                      num_warps=tune.row_warps)
+    cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, zeros, runs, n_runs, buckets,
+                                                   cap=cap, interpret=interpret, num_warps=tune.num_warps)
     return floor, cnt, keys, ids, cnt > cap
 
 

@@ -14,8 +14,9 @@ slots n .. k - 1 of a row with fewer than k candidates get -1.
 
 Program (r, t) ranks slots t * TI .. t * TI + TI - 1 of row r, walking the n
 candidates TJ at a time (the next tile is loaded before the current one is
-compared, to hide the L2 latency), and writes -1 to those of its slots that are
->= n and < k. Programs whose slots are all past n return after that. No radix
+compared, to hide the L2 latency; the comparisons accumulate in a [TI, TJ] tile
+that is summed once at the end, so the loop has no reduction), and writes -1 to
+those of its slots that are >= n and < k. Programs whose slots are all past n return after that. No radix
 search, no scratch, no barrier: n * n comparisons per row spread over
 ceil(n / TI) programs (~600 x 600 at [64, 131072], k = 512; at most CAP x CAP).
 
@@ -77,12 +78,13 @@ def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, out_ref, kb_ref,
                         B.gather(il_ref, rows, sj, mask=inj, other=-1), inj)
 
             def step(c, carry):
-                rank, (k_j, id_j, inj) = carry
+                acc, (k_j, id_j, inj) = carry
                 nxt = tile(c + 1)                                                   # in flight now
                 better = inj & ((k_j > k_i) | ((k_j == k_i) & (id_j < id_i)))       # [TI, TJ]
-                return rank + jnp.sum(better.astype(jnp.int32), axis=1, keepdims=True), nxt
+                return acc + better.astype(jnp.int32), nxt                          # no reduction here
 
-            rank, _ = lax.fori_loop(0, (n + tj - 1) // tj, step, (jnp.zeros((ti, 1), jnp.int32), tile(0)))
+            acc, _ = lax.fori_loop(0, (n + tj - 1) // tj, step, (jnp.zeros((ti, tj), jnp.int32), tile(0)))
+            rank = jnp.sum(acc, axis=1, keepdims=True)                              # [TI, 1], once
             B.scatter(out_ref, orow, jnp.minimum(rank, k - 1), id_i, mine & (rank < k))
 
     @B.when(over & (t == 0))
@@ -95,7 +97,7 @@ def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, out_ref, kb_ref,
         tk.emit_sorted(gf, kb_ref, ib_ref, row, st[0], out_ref, row, row >= 0, interpret)
 
 
-def select_candidates(scores, lengths, floor, counts, keys, ids, k: int, *, ti: int = 64, tj: int = 128,
+def select_candidates(scores, lengths, floor, counts, keys, ids, k: int, *, ti: int = 64, tj: int = 64,
                       interpret=None, num_warps: int = 4):
     """scores [rows, n] f32, lengths [rows] i32, floor [rows] u32 (the filter's), and the
     filter's counts [rows] i32, keys [rows, CAP] u32, ids [rows, CAP] i32 ->

@@ -271,30 +271,31 @@ def test_topk_pools_tunings_are_exact(rng, tune):
 
 def test_topk_filter_auto_cap():
     """filter_cap = 0 (the default) sizes the row's list: room for 4 k candidates when
-    the row has a floor, for every key when it is too short for one, never more than
-    the row or MAX_SELECT_SLOTS. The H200 shape [64, 131072], k = 512: 32 programs of
-    4096 scores per row, 2048 slots (the floor passes ~590 keys of a random row)."""
+    the row has a floor (never more than the row or MAX_SELECT_SLOTS), every key when
+    it is too short for one. The H200 shape [64, 131072], k = 512: 2048 slots (the
+    floor passes ~590 keys of a random row)."""
     from pallas_kernels import topk as tk
     t = tk.Tuning()
     assert t.mode == "filter" and t.filter_cap == 0
-    assert tk.filter_shape(131072, 512, t) == (4096, 32, 2048)
+    assert tk.filter_cap(131072, 512, t) == 2048
     for n, k in [(131072, 512), (8192, 512), (3000, 512), (1 << 20, 512), (2000, 24), (50, 24)]:
-        chunk, splits, cap = tk.filter_shape(n, k, t)
+        cap = tk.filter_cap(n, k, t)
         floor = tk.has_floor(n, k, t.buckets_per_k * k)
-        room = tk.FILTER_ROOM_PER_K * k if floor else n
-        assert splits * chunk >= n > (splits - 1) * chunk, (n, k)
-        assert cap >= min(room, n, tk.MAX_SELECT_SLOTS) and cap <= max(16, tk.MAX_SELECT_SLOTS), (n, k)
-        assert cap & (cap - 1) == 0 and cap <= max(16, tk.next_pow2(n)), (n, k)
+        assert cap & (cap - 1) == 0 and cap >= 16, (n, k)
+        if floor:
+            assert min(tk.FILTER_ROOM_PER_K * k, n, tk.MAX_SELECT_SLOTS) <= cap <= tk.MAX_SELECT_SLOTS, (n, k)
+        else:
+            assert n <= cap < 2 * n or cap == 16, (n, k)
 
 
 # filter mode at test sizes: [6, 2048] scores, k = 24 (96 runs of 22 for the floor);
-# "chunks-256": 8 filter programs per row, 64-slot lists, the default select tiles
-# (one program ranks all 64), 16-bit floor in 2-bit steps;
-# "chunks-128": 16 filter programs per row, 128-slot lists, select programs of 16
-# candidates compared 32 at a time, exact 32-bit floor in 4-bit steps
-FILTER_TUNINGS = {"chunks-256": dict(mode="filter", filter_chunk=256, filter_cap=64),
-                  "chunks-128": dict(mode="filter", filter_chunk=128, filter_cap=128, select_ti=16,
-                                     select_tj=32, radix_bits=4, floor_bits=32)}
+# "cap-64": 64-slot lists, the default select tiles (one program ranks all 64),
+# 16-bit floor in 2-bit steps;
+# "cap-128": 128-slot lists, select programs of 16 candidates compared 32 at a time,
+# exact 32-bit floor in 4-bit steps
+FILTER_TUNINGS = {"cap-64": dict(mode="filter", filter_cap=64),
+                  "cap-128": dict(mode="filter", filter_cap=128, select_ti=16, select_tj=32, radix_bits=4,
+                                  floor_bits=32)}
 FILTER_ROWS, FILTER_N, FILTER_K = 6, 2048, 24
 
 
@@ -350,7 +351,7 @@ def test_topk_select_ignores_list_order(rng, ti, tj):
     ties by list position, or ranked against only its own tile, fails."""
     from pallas_kernels import topk as tk
     from pallas_kernels import topk_select
-    t = tk.Tuning(**FILTER_TUNINGS["chunks-256"])
+    t = tk.Tuning(**FILTER_TUNINGS["cap-64"])
     x = rng.standard_normal((FILTER_ROWS, FILTER_N)).astype(np.float32)
     x[1] = rng.integers(0, 150, FILTER_N)
     lengths = np.array([FILTER_N, FILTER_N, 900, 10, FILTER_N, 3], np.int32)
@@ -397,12 +398,22 @@ def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
     xs, ls = jnp.asarray(x), jnp.asarray(lengths)
     keys = np.asarray(ref.order_key(xs))
     live = np.arange(n)[None, :] < lengths[:, None]
-    for bits, radix in [(32, 2), (32, 4), (16, 4)]:
+    if not tk.has_floor(n, k, buckets):
+        assert (np.asarray(tk.bucket_floor(xs, ls, k, buckets)) == 0).all()
+        with pytest.raises(ValueError, match="no floor"):
+            topk_floor.key_floor(xs, ls, k, buckets)
+        return
+    top = np.asarray(tk.run_maxima(xs, ls, buckets))
+    for bits, radix in [(32, 2), (32, 4), (16, 2)]:
         want = np.asarray(tk.bucket_floor(xs, ls, k, buckets, bits))
-        got, zeros = topk_floor.key_floor(xs, ls, k, buckets, bits=bits, radix_bits=radix)
-        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{bits} bits")
-        np.testing.assert_array_equal(np.asarray(zeros), np.zeros(rows, np.int32))
-        assert (want[[0, 1]] > 0).all() == (n >= 2 * buckets) and (want[[2, 3]] == 0).all()
+        got, zeros, runs, n_runs = (np.asarray(v) for v in
+                                    topk_floor.key_floor(xs, ls, k, buckets, bits=bits, radix_bits=radix))
+        np.testing.assert_array_equal(got, want, err_msg=f"{bits} bits")
+        np.testing.assert_array_equal(zeros, np.zeros(rows, np.int32))
+        for r in range(rows):                                              # runs reaching the floor
+            reach = np.flatnonzero(top[r] >= want[r])
+            assert n_runs[r] == len(reach) and (runs[r, : n_runs[r]] == reach).all(), (bits, r)
+        assert (want[[0, 1]] > 0).all() and (want[[2, 3]] == 0).all()
         assert (((keys >= want[:, None]) & live).sum(axis=1) >= np.minimum(k, lengths)).all()
     full = np.asarray(tk.bucket_floor(xs, ls, k, buckets))
     assert (want == full & np.uint32(0xFFFF0000)).all()
