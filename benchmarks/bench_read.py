@@ -210,7 +210,7 @@ def bench_topk_parts(rows, n, k, reps, trials):
 
     def lists(x, l):
         return topk_filter.filter_candidates(x, l, *floor(x, l), t.buckets_per_k * k, cap=cap,
-                                             num_warps=t.num_warps)
+                                             num_warps=t.filter_warps)
 
     fns = {"run maxima": maxima, "+ floor": lambda x, l: floor(x, l)[0],
            "+ filter": lambda x, l: lists(x, l)[1],
@@ -230,19 +230,15 @@ TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528
 # per-row candidate list (one atomic reservation per program), a select that ranks
 # the candidates pairwise. Session 7 rewrote the kernels; these bracket the defaults.
 TOPK_FILTER_SWEEP = [
-    dict(),                                                   # default: cap auto, select 64 x 64
-    dict(num_warps=8),
-    dict(select_ti=32),
-    dict(select_ti=128),
-    dict(select_tj=32),
-    dict(select_tj=128),
-    dict(select_ti=128, select_tj=32),
-    dict(select_warps=8),
-    dict(select_ti=128, select_warps=8),
-    dict(radix_bits=4),
-    dict(floor_bits=32),
+    dict(),                          # default: 8 k runs, cap auto, filter 8 warps, select 64 x 64, radix 4
+    dict(buckets_per_k=4),
+    dict(filter_warps=4),
+    dict(radix_bits=2),
     dict(row_warps=4),
-    dict(buckets_per_k=8),
+    dict(select_tj=32),
+    dict(select_ti=32),
+    dict(select_ti=128, select_warps=8),
+    dict(buckets_per_k=16),
 ]
 TOPK_FILTER_QUICK = [dict(), dict(select_ti=16, select_tj=16)]
 
@@ -256,7 +252,7 @@ def topk_tuning(v):
 def topk_label(t) -> str:
     if t.mode == "filter":
         return (f"filter bpk={t.buckets_per_k} cap={t.filter_cap or 'auto'} sel={t.select_ti}x{t.select_tj} "
-                f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.num_warps}/{t.row_warps}/{t.select_warps}")
+                f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.filter_warps}/{t.row_warps}/{t.select_warps}")
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 
 
@@ -335,14 +331,14 @@ def main(argv=None):
         reps, trials = 10, 5
     bw = copy_bandwidth(1 << 24 if a.quick else 1 << 30)
     rows = []
-    if not a.skip_decode:
+    t_reps = reps if a.quick else 50                    # 50 chained calls: the chain's own cost per
+    if not a.skip_decode:                               # call (dispatch, sync) shrinks to ~1/50
         for b, c in decode:
-            rows += bench_decode(cfg, b, c, bw, reps, trials, a.quick)
+            rows += bench_decode(cfg, b, c, bw, t_reps, trials, a.quick)
     if not a.skip_prefill:
         for c in prefill:
             rows += bench_prefill(cfg, c, 1 if not a.quick else reps, min(trials, 3), a.quick)
-    if not a.skip_topk:                                 # 50 calls: the chain's own cost per call
-        t_reps = reps if a.quick else 50                # (dispatch, sync) shrinks to ~1/50
+    if not a.skip_topk:
         rows += bench_topk(*topk_case, t_reps, trials)
         rows += bench_topk_parts(*topk_case, t_reps, trials)
     if a.sweep:

@@ -37,7 +37,7 @@ Mode "filter" (the default) runs four lean kernels instead, each in its own file
 ``topk_maxima`` (the row's run maxima), ``topk_floor`` (the key floor of
 ``bucket_floor``, by a radix k-th search of the maxima in place of an XLA sort,
 and the list of runs whose maximum reaches it; it also zeroes the filter's
-counters), ``topk_filter`` (reads only those runs, ~a quarter of the row: each
+counters), ``topk_filter`` (reads only those runs, ~an eighth of the row: each
 program reserves room in its row's candidate list with one atomic add and writes
 its keys >= floor there; a count > CAP means overflow) and ``topk_select`` (each
 candidate ranked against the row's others, ids by rank; a row whose list
@@ -368,10 +368,10 @@ def choose_splits(programs: int, n_cands: int, k: int, splits=None, target=TARGE
 def bucket_floor(scores, lengths, k: int, buckets: int, bits: int = 32):
     """[rows] u32 key floor with at least k valid keys >= it (0: no useful floor).
 
-    The row's valid keys are cut into `buckets` equal runs; the k-th largest of the
-    runs' maxima is such a floor (k different runs each hold a key >= it). It is a
+    The row's columns are cut into M <= `buckets` equal runs (``run_geometry``); the
+    k-th largest of the runs' maxima is such a floor (k different runs each hold a key >= it). It is a
     cheap XLA pass (one read of the scores, a sort of [rows, buckets]); on random
-    scores only ~1.15 k keys per row pass it (k = 512, 2048 runs), so the streaming filter rarely
+    scores only ~1.1 k keys per row pass it (k = 512, 4096 runs), so the streaming filter rarely
     appends and almost never compacts. Ties and adversarial rows stay exact: the
     floor only ever admits more keys than the top k.
 
@@ -382,7 +382,7 @@ def bucket_floor(scores, lengths, k: int, buckets: int, bits: int = 32):
     if not has_floor(n, k, buckets):
         return jnp.zeros((rows,), jnp.uint32)
     top = run_maxima(scores, lengths, buckets)                                     # [rows, M]
-    return lax.sort(top, dimension=1)[:, buckets - k] & floor_mask(bits)
+    return lax.sort(top, dimension=1)[:, top.shape[1] - k] & floor_mask(bits)
 
 
 def floor_mask(bits: int):
@@ -390,20 +390,28 @@ def floor_mask(bits: int):
     return jnp.uint32((0xFFFFFFFF << (32 - bits)) & 0xFFFFFFFF)
 
 
+def run_geometry(n_cols: int, buckets: int):
+    """(RUN, M): the row's columns cut into M runs of RUN consecutive columns, RUN a power
+    of two >= n / buckets (so that the runs tile the row whenever RUN divides it: one
+    unmasked, vectorised load per run in the Pallas kernels), M = ceil(n / RUN) <= buckets."""
+    run = next_pow2(max(1, -(-n_cols // max(1, buckets))))
+    return run, -(-n_cols // run)
+
+
 def has_floor(n_cols: int, k: int, buckets: int) -> bool:
     """Whether ``bucket_floor`` computes a floor for [rows, n_cols] scores (else 0)."""
-    return buckets >= k and n_cols >= 2 * buckets
+    return buckets >= k and n_cols >= 2 * buckets and run_geometry(n_cols, buckets)[1] >= k
 
 
 def run_maxima(scores, lengths, buckets: int):
-    """[rows, buckets] u32: the largest valid key of each of the row's `buckets` equal
-    runs of ceil(n / buckets) columns (0 for a run with no valid key). XLA."""
+    """[rows, M] u32: the largest valid key of each of the row's M runs of RUN columns
+    (``run_geometry``; 0 for a run with no valid key). XLA."""
     rows, n = scores.shape
-    run = -(-n // buckets)
+    run, m = run_geometry(n, buckets)
     valid = jnp.arange(n, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
     key = jnp.where(valid, order_key(scores), jnp.uint32(0))                       # [rows, n]
-    key = jnp.pad(key, ((0, 0), (0, run * buckets - n)))
-    return jnp.max(key.reshape(rows, buckets, run), axis=2)                        # [rows, M]
+    key = jnp.pad(key, ((0, 0), (0, run * m - n)))
+    return jnp.max(key.reshape(rows, m, run), axis=2)                              # [rows, M]
 
 
 MODES = ("stream", "filter")
@@ -419,28 +427,29 @@ class Tuning:
 
     score_chunk: scores per streaming step; target_programs: how many programs the
     row splits aim for; buckets_per_k: runs of the pre-filter per selected id
-    (0 = no pre-filter); num_warps: warps of the streaming kernel (and of the filter
-    kernel in filter mode).
+    (0 = no pre-filter); num_warps: warps of the streaming kernel.
 
     mode: "stream" (the streaming filter + merge) or "filter" (Pallas run maxima and
     floor, a filter pass over the runs that reach the floor into a per-row candidate
     list, a select that ranks the candidates pairwise; a row whose list overflowed
     takes the streaming path inside the select kernel). filter_cap: slots of a
-    row's candidate list (0 = auto, ``filter_cap``); select_ti / select_tj:
+    row's candidate list (0 = auto, ``filter_cap``); filter_warps: warps of the
+    filter kernel; select_ti / select_tj:
     candidates a select program ranks / compares them with per step; select_warps:
     its warps; radix_bits: bits per step of the floor's radix search; floor_bits:
     how many top bits of the floor are searched (the rest cleared: a slightly lower
     floor in fewer steps); row_warps: warps of the floor kernel."""
     score_chunk: int = SCORE_CHUNK
     target_programs: int = TARGET_PROGRAMS
-    buckets_per_k: int = 4
+    buckets_per_k: int = 8
     num_warps: int = 4
     mode: str = "filter"
     filter_cap: int = FILTER_CAP
+    filter_warps: int = 8
     select_ti: int = 64
     select_tj: int = 64
     select_warps: int = 4
-    radix_bits: int = 2
+    radix_bits: int = 4
     floor_bits: int = 16
     row_warps: int = ROW_WARPS
 
@@ -452,7 +461,7 @@ class Tuning:
                 or not pow2(self.select_ti, 1) or not pow2(self.select_tj, 1) or self.select_warps < 1
                 or self.radix_bits not in (1, 2, 4, 8)
                 or self.floor_bits % self.radix_bits or not 0 < self.floor_bits <= 32
-                or self.num_warps < 1 or self.row_warps < 1):
+                or self.num_warps < 1 or self.row_warps < 1 or self.filter_warps < 1):
             raise ValueError(f"bad topk tuning {self}")
 
 
@@ -504,7 +513,7 @@ def _filter_lists(scores, lengths, k: int, interpret, tune: Tuning):
                                                       radix_bits=tune.radix_bits, interpret=interpret,
                                                       num_warps=tune.row_warps)
     cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, zeros, runs, n_runs, buckets,
-                                                   cap=cap, interpret=interpret, num_warps=tune.num_warps)
+                                                   cap=cap, interpret=interpret, num_warps=tune.filter_warps)
     return floor, cnt, keys, ids, cnt > cap
 
 

@@ -3,9 +3,9 @@
 Given the row's key floor and the runs whose maximum reaches it (``topk_floor``:
 a row's columns are cut into M runs of RUN consecutive columns, and only a run
 whose maximum is >= the floor can hold a key >= the floor), a program owns G
-entries of one row's run list: one [G, RP] load of those runs (RP = RUN rounded
-up to a power of two; the lanes of a run are contiguous, so the load vectorises
-along them; list entries past the row's count are masked off), and it keeps the
+entries of one row's run list: one [G, RUN] load of those runs (RUN a power of
+two, ``topk.run_geometry``; the lanes of a run are contiguous, so the load
+vectorises along them; list entries past the row's count are masked off), and it keeps the
 candidates with ``order_key(score) >= floor`` and id < length. It reserves room
 for them in the row's candidate list with one atomic add on the row's counter,
 then writes keys and ids at base + (the candidates of its earlier runs) + (the
@@ -14,8 +14,8 @@ of the row, which may exceed CAP: an overflow, the list then holds only the CAP
 that got the lowest slots (the select kernel then runs the exact streaming path
 on that row instead).
 
-On random rows ~k of the M = 4 k runs reach the floor, so the filter reads about
-a quarter of the scores, and ~1.15 k keys pass. Programs past the row's run
+On random rows ~k of the M = 8 k runs reach the floor, so the filter reads about
+an eighth of the scores, and ~1.1 k keys pass. Programs past the row's run
 count read the count and return.
 
 The order of the programs' reservations is up to the GPU, so the order of the
@@ -83,17 +83,17 @@ def _kernel(len_ref, floor_ref, x_ref, runs_ref, nruns_ref, _cnt_in, cnt_ref, kl
 def filter_candidates(scores, lengths, floor, counts, runs, n_runs, buckets: int, *, cap: int,
                       interpret=None, num_warps: int = 4):
     """scores [rows, n] f32, lengths [rows] i32, and from ``topk_floor``: floor [rows] u32,
-    counts [rows] i32 (zeros), runs [rows, MP] i32, n_runs [rows] i32, over `buckets` runs
-    of ceil(n / buckets) columns -> (counts [rows] i32, keys [rows, cap] u32, ids [rows, cap] i32)."""
+    counts [rows] i32 (zeros), runs [rows, MP] i32, n_runs [rows] i32, over the runs of
+    ``topk.run_geometry(n, buckets)`` -> (counts [rows] i32, keys [rows, cap] u32, ids [rows, cap] i32)."""
     rows, n_cols = scores.shape
     if cap < 1 or cap & (cap - 1):
         raise ValueError(f"filter cap must be a power of two, got {cap}")
-    run = -(-n_cols // buckets)
-    rp = tk.next_pow2(run)
+    run, m = tk.run_geometry(n_cols, buckets)
+    rp = run
     mp = runs.shape[1]
     g = max(1, min(mp, TILE // rp))
     interpret = B.resolve_interpret(interpret)
-    kern = functools.partial(_kernel, n_cols=n_cols, m=buckets, run=run, rp=rp, g=g, mp=mp, cap=cap)
+    kern = functools.partial(_kernel, n_cols=n_cols, m=m, run=run, rp=rp, g=g, mp=mp, cap=cap)
     return B.pallas_call(
         kern, grid=(rows, -(-mp // g)),
         out_shape=(jax.ShapeDtypeStruct((rows,), jnp.int32),

@@ -11,7 +11,7 @@ the padding lanes dead).
 
 With the floor it writes what the filter kernel needs: the ids of the runs whose
 maximum is >= the floor, ascending (only those runs hold a key >= the floor: ~k
-of the M = 4 k runs on random rows, so the filter reads a quarter of the
+of the M = 8 k runs on random rows, so the filter reads an eighth of the
 scores), their number, and the zeros that the filter's per-row candidate
 counters start from (so that they cost no launch of their own).
 

@@ -1,13 +1,13 @@
 """Kernel: the run maxima of ``topk.topk_pools``'s key floor (spec 2.5, 5.9).
 
 Same value as ``topk.run_maxima`` (the XLA reduce), bit for bit: a row's columns
-are cut into M runs of RUN = ceil(n / M) consecutive columns, and entry m is the
-largest ``order_key`` of a valid column (id < the row's length) of run m, 0 when
-the run holds none. A program owns one row and G consecutive runs: one [G, RP]
-load (RP = RUN rounded up to a power of two; lanes past the run are dead), the
-key, a max along the run. When n == M * RUN and RUN is a power of two (the
-[64, 131072] decode shape: 2048 runs of 64) every lane is in bounds, so the load
-needs no mask and does not wait for the row's length; otherwise it is masked.
+are cut into M runs of RUN consecutive columns (``topk.run_geometry``: RUN a power
+of two), and entry m is the largest ``order_key`` of a valid column (id < the
+row's length) of run m, 0 when the run holds none. A program owns one row and G
+consecutive runs: one [G, RUN] load, the key, a max along the run. When the runs
+tile the row (n == M * RUN, e.g. [64, 131072] at 4096 runs of 32, or the 8352
+pools of a 32k-token decode row at 1044 runs of 8) every lane is in bounds, so the
+load needs no mask and does not wait for the row's length; otherwise it is masked.
 
 Reads ONLY its inputs; writes ONLY its output: top [rows, M] u32, each entry by
 the one program that owns its run. Grid: (rows, ceil(M / G)).
@@ -32,7 +32,7 @@ def _kernel(len_ref, x_ref, top_ref, *, n_cols: int, m: int, run: int, rp: int, 
     i = q * g + tk._iota((g, 1), 0)                                                 # [G, 1] run ids
     cols = i * run + tk._iota((1, rp), 1)                                           # [G, RP] ids
     rows = row[:, None] + 0 * cols
-    exact = n_cols == m * run and rp == run and m % g == 0
+    exact = n_cols == m * run and m % g == 0
     if exact:
         x = B.gather(x_ref, rows, cols)                                             # in bounds
     else:
@@ -46,15 +46,14 @@ def _kernel(len_ref, x_ref, top_ref, *, n_cols: int, m: int, run: int, rp: int, 
 
 
 def run_maxima(scores, lengths, buckets: int, *, interpret=None, num_warps: int = 4):
-    """scores [rows, n] f32, lengths [rows] i32 -> [rows, buckets] u32, == ``topk.run_maxima``."""
+    """scores [rows, n] f32, lengths [rows] i32 -> [rows, M] u32, == ``topk.run_maxima``."""
     rows, n_cols = scores.shape
-    run = -(-n_cols // buckets)
-    rp = tk.next_pow2(run)
-    g = max(1, min(tk.next_pow2(buckets), TILE // rp))
+    run, m = tk.run_geometry(n_cols, buckets)
+    g = max(1, min(tk.next_pow2(m), TILE // run))
     interpret = B.resolve_interpret(interpret)
-    kern = functools.partial(_kernel, n_cols=n_cols, m=buckets, run=run, rp=rp, g=g)
+    kern = functools.partial(_kernel, n_cols=n_cols, m=m, run=run, rp=run, g=g)
     return B.pallas_call(
-        kern, grid=(rows, -(-buckets // g)),
-        out_shape=jax.ShapeDtypeStruct((rows, buckets), jnp.uint32),
+        kern, grid=(rows, -(-m // g)),
+        out_shape=jax.ShapeDtypeStruct((rows, m), jnp.uint32),
         input_output_aliases={}, interpret=interpret, name="kpool_topk_maxima", num_warps=num_warps,
     )(lengths.astype(jnp.int32), scores.astype(jnp.float32))

@@ -434,8 +434,9 @@ def test_topk_maxima_kernel_matches_xla(rng, rows, n, m):
     xs, ls = jnp.asarray(x), jnp.asarray(lengths)
     want = np.asarray(tk.run_maxima(xs, ls, m))
     np.testing.assert_array_equal(np.asarray(topk_maxima.run_maxima(xs, ls, m)), want)
-    used = -(-n // -(-n // m))                                              # runs that hold columns
-    assert (want[0, :used] > 0).all() and (want[0, used:] == 0).all()
+    run, runs = tk.run_geometry(n, m)
+    assert want.shape == (rows, runs) and run & (run - 1) == 0 and runs <= m and runs * run >= n
+    assert (want[0] > 0).all()
     assert (want[rows - 1] == 0).all() == (lengths[rows - 1] == 0)
 
 
