@@ -230,10 +230,10 @@ TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528
 # per-row candidate list (one atomic reservation per program), a select that ranks
 # the candidates pairwise. Session 7 rewrote the kernels; these bracket the defaults.
 TOPK_FILTER_SWEEP = [
-    dict(),                          # default: 8 k runs, cap auto, filter 8 warps, select 64 x 64, radix 4
+    dict(),                          # default: 8 k runs, cap auto, filter 8 warps, select 64 x 64, radix 2
     dict(buckets_per_k=4),
     dict(filter_warps=4),
-    dict(radix_bits=2),
+    dict(radix_bits=4),
     dict(row_warps=4),
     dict(select_tj=32),
     dict(select_ti=32),

@@ -449,7 +449,7 @@ class Tuning:
     select_ti: int = 64
     select_tj: int = 64
     select_warps: int = 4
-    radix_bits: int = 4
+    radix_bits: int = 2
     floor_bits: int = 16
     row_warps: int = ROW_WARPS
 
