@@ -232,13 +232,15 @@ TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528
 TOPK_FILTER_SWEEP = [
     dict(),                          # default: 8 k runs, cap auto, filter 8 warps, select 64 x 64, radix 2
     dict(buckets_per_k=4),
+    dict(buckets_per_k=16),
     dict(filter_warps=4),
     dict(radix_bits=4),
     dict(row_warps=4),
-    dict(select_tj=32),
-    dict(select_ti=32),
-    dict(select_ti=128, select_warps=8),
-    dict(buckets_per_k=16),
+    dict(select_stages=2),
+    dict(select_stages=3),
+    dict(select_ti=32, select_tj=128),
+    dict(select_ti=16, select_tj=256),
+    dict(select_tj=32, select_warps=8),
 ]
 TOPK_FILTER_QUICK = [dict(), dict(select_ti=16, select_tj=16)]
 
@@ -252,7 +254,8 @@ def topk_tuning(v):
 def topk_label(t) -> str:
     if t.mode == "filter":
         return (f"filter bpk={t.buckets_per_k} cap={t.filter_cap or 'auto'} sel={t.select_ti}x{t.select_tj} "
-                f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.filter_warps}/{t.row_warps}/{t.select_warps}")
+                f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.filter_warps}/{t.row_warps}/{t.select_warps} "
+                f"st={t.select_stages}")
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 
 

@@ -435,8 +435,8 @@ class Tuning:
     takes the streaming path inside the select kernel). filter_cap: slots of a
     row's candidate list (0 = auto, ``filter_cap``); filter_warps: warps of the
     filter kernel; select_ti / select_tj:
-    candidates a select program ranks / compares them with per step; select_warps:
-    its warps; radix_bits: bits per step of the floor's radix search; floor_bits:
+    candidates a select program ranks / compares them with per step; select_warps /
+    select_stages: its warps and Triton pipeline stages; radix_bits: bits per step of the floor's radix search; floor_bits:
     how many top bits of the floor are searched (the rest cleared: a slightly lower
     floor in fewer steps); row_warps: warps of the floor kernel."""
     score_chunk: int = SCORE_CHUNK
@@ -449,6 +449,7 @@ class Tuning:
     select_ti: int = 64
     select_tj: int = 64
     select_warps: int = 4
+    select_stages: int = 1
     radix_bits: int = 2
     floor_bits: int = 16
     row_warps: int = ROW_WARPS
@@ -459,6 +460,7 @@ class Tuning:
         if (not pow2(self.score_chunk, 16) or self.buckets_per_k < 0 or self.mode not in MODES
                 or not (self.filter_cap == 0 or pow2(self.filter_cap, 16))
                 or not pow2(self.select_ti, 1) or not pow2(self.select_tj, 1) or self.select_warps < 1
+                or self.select_stages < 1
                 or self.radix_bits not in (1, 2, 4, 8)
                 or self.floor_bits % self.radix_bits or not 0 < self.floor_bits <= 32
                 or self.num_warps < 1 or self.row_warps < 1 or self.filter_warps < 1):
@@ -551,6 +553,6 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
         floor, cnt, keys, ids, _ = _filter_lists(scores, lengths, k, interpret, tune)
         return topk_select.select_candidates(scores, lengths, floor, cnt, keys, ids, k, ti=tune.select_ti,
                                              tj=tune.select_tj, interpret=interpret,
-                                             num_warps=tune.select_warps)
+                                             num_warps=tune.select_warps, num_stages=tune.select_stages)
     floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
     return _stream_path(scores, lengths, floor, k, splits, interpret, tune)

@@ -98,7 +98,7 @@ def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, out_ref, kb_ref,
 
 
 def select_candidates(scores, lengths, floor, counts, keys, ids, k: int, *, ti: int = 64, tj: int = 64,
-                      interpret=None, num_warps: int = 4):
+                      interpret=None, num_warps: int = 4, num_stages: int = 1):
     """scores [rows, n] f32, lengths [rows] i32, floor [rows] u32 (the filter's), and the
     filter's counts [rows] i32, keys [rows, CAP] u32, ids [rows, CAP] i32 ->
     [rows, k] i32: best ids by (key desc, id asc), -1 padded."""
@@ -116,6 +116,7 @@ def select_candidates(scores, lengths, floor, counts, keys, ids, k: int, *, ti: 
         kern, grid=(rows, max(cap, kp) // ti),
         out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.int32),) + tk.buffer_shapes(gf, rows),
         input_output_aliases={}, interpret=interpret, name="kpool_topk_select", num_warps=num_warps,
+        num_stages=num_stages,
     )(lengths.astype(jnp.int32), floor.astype(jnp.uint32), scores.astype(jnp.float32),
       counts.astype(jnp.int32), keys.astype(jnp.uint32), ids.astype(jnp.int32))
     return out
