@@ -369,11 +369,11 @@ def bucket_floor(scores, lengths, k: int, buckets: int, bits: int = 32):
     """[rows] u32 key floor with at least k valid keys >= it (0: no useful floor).
 
     The row's columns are cut into M <= `buckets` equal runs (``run_geometry``); the
-    k-th largest of the runs' maxima is such a floor (k different runs each hold a key >= it). It is a
-    cheap XLA pass (one read of the scores, a sort of [rows, buckets]); on random
-    scores only ~1.1 k keys per row pass it (k = 512, 4096 runs), so the streaming filter rarely
-    appends and almost never compacts. Ties and adversarial rows stay exact: the
-    floor only ever admits more keys than the top k.
+    k-th largest of the runs' maxima is such a floor (k different runs each hold a
+    key >= it). It is a cheap XLA pass (one read of the scores, a sort of [rows, M]);
+    on random scores only ~1.1 k keys per row pass it (k = 512, 4096 runs), so the
+    streaming filter rarely appends and almost never compacts. Ties and adversarial
+    rows stay exact: the floor only ever admits more keys than the top k.
 
     With bits < 32 the floor keeps only its top `bits` bits (the low ones cleared):
     a lower floor, still valid, that the Pallas floor finds in fewer radix steps.
@@ -434,11 +434,12 @@ class Tuning:
     list, a select that ranks the candidates pairwise; a row whose list overflowed
     takes the streaming path inside the select kernel). filter_cap: slots of a
     row's candidate list (0 = auto, ``filter_cap``); filter_warps: warps of the
-    filter kernel; select_ti / select_tj:
-    candidates a select program ranks / compares them with per step; select_warps /
-    select_stages: its warps and Triton pipeline stages; radix_bits: bits per step of the floor's radix search; floor_bits:
-    how many top bits of the floor are searched (the rest cleared: a slightly lower
-    floor in fewer steps); row_warps: warps of the floor kernel."""
+    filter kernel; select_ti / select_tj: candidates a select program ranks /
+    compares them with per step; select_warps / select_stages: its warps and Triton
+    pipeline stages; radix_bits: bits per step of the floor's radix search;
+    floor_bits: how many top bits of the floor are searched (the rest cleared: a
+    slightly lower floor in fewer steps); row_warps: warps of the floor kernel.
+    Defaults: session 7's H200 sweeps (docs/benchmarks.md)."""
     score_chunk: int = SCORE_CHUNK
     target_programs: int = TARGET_PROGRAMS
     buckets_per_k: int = 8
