@@ -347,8 +347,10 @@ def test_topk_select_ignores_list_order(rng, ti, tj):
     """The filter's programs reserve list slots in whatever order the GPU runs them
     (interpret mode runs them in order): the select must give the same ids for any
     order of a row's list. The lists are shuffled per row, with ties at the k-th key
-    (integer scores) and a row with fewer valid keys than k; a select that broke
-    ties by list position, or ranked against only its own tile, fails."""
+    (integer scores) and a row with fewer valid keys than k, and the slots past each
+    row's count hold the best possible key (stale bytes on the GPU); a select that
+    broke ties by list position, ranked against only its own tile, or let a slot past
+    the count in, fails."""
     from pallas_kernels import topk as tk
     from pallas_kernels import topk_select
     t = tk.Tuning(**FILTER_TUNINGS["cap-64"])
@@ -362,9 +364,36 @@ def test_topk_select_ignores_list_order(rng, ti, tj):
     for r in range(FILTER_ROWS):
         p = rng.permutation(cnt[r])
         keys[r, : cnt[r]], ids[r, : cnt[r]] = keys[r, p], ids[r, p]
+        keys[r, cnt[r]:] = 0xFFFFFFFF                     # stale slots past the count: the best key,
+        ids[r, cnt[r]:] = rng.integers(0, FILTER_N, keys.shape[1] - cnt[r])   # must never be ranked
     got = topk_select.select_candidates(xs, ls, floor, jnp.asarray(cnt), jnp.asarray(keys), jnp.asarray(ids),
                                         FILTER_K, ti=ti, tj=tj)
     np.testing.assert_array_equal(np.asarray(got), np_topk(x, lengths, FILTER_K))
+
+
+def test_topk_filter_ignores_stale_run_ids(rng):
+    """The filter loads its run ids before it knows the row's run count: entries past
+    the count (stale bytes on the GPU; here negative, huge and real run ids) must be
+    clamped to real runs and masked, never read as candidates."""
+    from pallas_kernels import topk as tk
+    from pallas_kernels import topk_filter, topk_floor
+    k, n = FILTER_K, FILTER_N
+    x = rng.standard_normal((FILTER_ROWS, n)).astype(np.float32)
+    lengths = np.array([n, n - 333, 0, 20, k, n + 50], np.int32)
+    xs, ls = jnp.asarray(x), jnp.asarray(lengths)
+    buckets, cap = tk.Tuning().buckets_per_k * k, 1024
+    floor, zeros, runs, n_runs = topk_floor.key_floor(xs, ls, k, buckets)
+    clean = [np.asarray(v) for v in topk_filter.filter_candidates(xs, ls, floor, zeros, runs, n_runs, buckets,
+                                                                 cap=cap)]
+    stale = np.array(runs)
+    for r, nr in enumerate(np.asarray(n_runs)):
+        stale[r, nr:] = rng.choice([-7, 2**30, 0, 5], stale.shape[1] - nr)
+    got = [np.asarray(v) for v in topk_filter.filter_candidates(xs, ls, floor, jnp.zeros_like(zeros),
+                                                               jnp.asarray(stale), n_runs, buckets, cap=cap)]
+    np.testing.assert_array_equal(got[0], clean[0])
+    for r in range(FILTER_ROWS):
+        c = clean[0][r]
+        assert sorted(got[2][r, :c]) == sorted(clean[2][r, :c]), r
 
 
 def test_topk_emit_ranks_only_tiles_with_survivors(rng):
