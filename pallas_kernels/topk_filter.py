@@ -51,14 +51,12 @@ def _kernel(len_ref, floor_ref, x_ref, runs_ref, nruns_ref, _cnt_in, cnt_ref, kl
     r, q = B.program_id(0), B.program_id(1)
     row = r + 0 * tk._iota((1,), 0)                                                 # [1]
     n_runs = jnp.max(B.load(nruns_ref.at[row]))                                     # scalar
-    e = q * g + tk._iota((g, 1), 0)                                                 # [G, 1] list entries
-    # loaded before the count arrives: entries past it hold stale ids, clamped to a
-    # real run so that every address stays inside the scores, and masked below
-    rid = jnp.clip(B.gather(runs_ref, row[:, None] + 0 * e, jnp.minimum(e, mp - 1)), 0, m - 1)
 
     @B.when(q * g < n_runs)
     def _filter():
+        e = q * g + tk._iota((g, 1), 0)                                             # [G, 1] list entries
         has = e < n_runs
+        rid = B.gather(runs_ref, row[:, None] + 0 * e, jnp.minimum(e, mp - 1), mask=has, other=0)
         j = tk._iota((1, rp), 1)                                                    # [1, RP]
         cols = rid * run + j                                                        # [G, RP] ids
         rows = row[:, None] + 0 * cols

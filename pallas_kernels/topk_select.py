@@ -57,19 +57,6 @@ def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, out_ref, kb_ref,
     over = jnp.max(count) > cap
     si = t * ti + tk._iota((ti, 1), 0)                                              # [TI, 1] my slots
     orow = row[:, None] + 0 * si
-    # My candidates and the first compared tile are loaded before the count arrives
-    # (masked by the list's size, not its count: slots past the count hold stale
-    # bytes, and every use below masks them by the count)
-    k_i = B.gather(kl_ref, orow, jnp.minimum(si, cap - 1), mask=si < cap, other=0)  # [TI, 1] u32
-    id_i = B.gather(il_ref, orow, jnp.minimum(si, cap - 1), mask=si < cap, other=0)  # [TI, 1] i32
-
-    def tile(c):                                                                    # [1, TJ] x 2;
-        sj = c * tj + tk._iota((1, tj), 1)                                          # lanes past the list
-        rows = row[:, None] + 0 * sj                                                # read nothing
-        return (sj, B.gather(kl_ref, rows, jnp.minimum(sj, cap - 1), mask=sj < cap, other=0),
-                B.gather(il_ref, rows, jnp.minimum(sj, cap - 1), mask=sj < cap, other=-1))
-
-    first = tile(0)
 
     @B.when(jnp.logical_not(over))
     def _select():
@@ -79,14 +66,24 @@ def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, out_ref, kb_ref,
         @B.when(t * ti < n)
         def _rank():
             mine = si < n
+            k_i = B.gather(kl_ref, orow, jnp.minimum(si, cap - 1), mask=mine, other=0)   # [TI, 1] u32
+            id_i = B.gather(il_ref, orow, jnp.minimum(si, cap - 1), mask=mine, other=0)  # [TI, 1] i32
+
+            def tile(c):                                                            # [1, TJ] x 2, dead
+                sj = c * tj + tk._iota((1, tj), 1)                                  # lanes read nothing
+                inj = sj < n
+                rows = row[:, None] + 0 * sj
+                sj = jnp.minimum(sj, cap - 1)
+                return (B.gather(kl_ref, rows, sj, mask=inj, other=0),
+                        B.gather(il_ref, rows, sj, mask=inj, other=-1), inj)
 
             def step(c, carry):
-                acc, (sj, k_j, id_j) = carry
+                acc, (k_j, id_j, inj) = carry
                 nxt = tile(c + 1)                                                   # in flight now
-                better = (sj < n) & ((k_j > k_i) | ((k_j == k_i) & (id_j < id_i)))  # [TI, TJ]
+                better = inj & ((k_j > k_i) | ((k_j == k_i) & (id_j < id_i)))       # [TI, TJ]
                 return acc + better.astype(jnp.int32), nxt                          # no reduction here
 
-            acc, _ = lax.fori_loop(0, (n + tj - 1) // tj, step, (jnp.zeros((ti, tj), jnp.int32), first))
+            acc, _ = lax.fori_loop(0, (n + tj - 1) // tj, step, (jnp.zeros((ti, tj), jnp.int32), tile(0)))
             rank = jnp.sum(acc, axis=1, keepdims=True)                              # [TI, 1], once
             B.scatter(out_ref, orow, jnp.minimum(rank, k - 1), id_i, mine & (rank < k))
 

@@ -476,10 +476,11 @@ def test_topk_filter_keeps_keys_at_the_floor(rng):
     whether or not the list overflowed."""
     from pallas_kernels import topk as tk
     rows, n, k = 4, FILTER_N, FILTER_K
-    run = -(-n // (4 * k))                                                  # 96 runs of 22
+    buckets = tk.Tuning().buckets_per_k * k                                 # the floor's runs, as the
+    run, m = tk.run_geometry(n, buckets)                                    # filter cuts them: 128 of 16
     x = rng.uniform(-2, -1, size=(rows, n)).astype(np.float32)              # every run max < 0
     for r in range(rows):
-        runs = rng.permutation(n // run)
+        runs = rng.permutation(m)
         n_above = [k - 1, k - 1, 0, 5][r]                                   # keys above the floor
         for q in runs[:n_above]:
             x[r, q * run + rng.integers(run)] = 1.0 + rng.random()
@@ -487,7 +488,7 @@ def test_topk_filter_keeps_keys_at_the_floor(rng):
             x[r, q * run + rng.choice(run, 1 + r % 2 + (q % 3 == 0), replace=False)] = 0.5
     lengths = np.full((rows,), n, np.int32)
     xs, ls = jnp.asarray(x), jnp.asarray(lengths)
-    floor = np.asarray(tk.bucket_floor(xs, ls, k, 4 * k))
+    floor = np.asarray(tk.bucket_floor(xs, ls, k, buckets))
     assert (floor == np.asarray(ref.order_key(jnp.float32(0.5)))).all()
     want = np_topk(x, lengths, k)
     assert (x[np.arange(rows), want[:, -1]] == 0.5).all()                   # k-th key == floor
