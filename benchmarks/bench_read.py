@@ -293,7 +293,7 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick, which=("
             t = topk_tuning(v)
             f = jax.jit(lambda x_, l_, t=t, k=k: tk.topk_pools(x_, l_, k, tune=t))
             ok = bool((np.asarray(f(sc, ln)) == ref_ids).all())
-            # filter mode: a list overflow runs the stream path instead (timed as such)
+            # filter mode: an overflowed row runs the streaming path inside the select (timed as such)
             fell_back = t.mode == "filter" and bool(tk.filter_overflowed(sc, ln, k, tune=t))
             sec = time_read(f, (sc, ln), reps, trials, perturb=(1,)) if ok else float("nan")
             rows.append(dict(kind="sweep", case=name, impl=topk_label(t) + (" FALLBACK" if fell_back else "")

@@ -526,8 +526,8 @@ def _check_args(scores, lengths):
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "tune"))
 def filter_overflowed(scores, lengths, k: int, *, interpret=None, tune: Tuning = Tuning(mode="filter")):
-    """() bool: whether filter mode would fall back to the stream path for these inputs
-    (some row's candidates >= floor overflow a (row, split) list)."""
+    """() bool: whether filter mode would take the streaming path for some row of these
+    inputs (the row's candidates >= floor overflow its candidate list)."""
     scores, lengths = _check_args(scores, lengths)
     return jnp.any(_filter_lists(scores, lengths, k, interpret, tune)[4])
 
