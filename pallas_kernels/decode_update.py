@@ -28,10 +28,10 @@ from . import numerics as nm
 from .strides import CacheStrides
 
 
-def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, _cache_in, cache_ref, *,
+def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
             s: CacheStrides, n: int, interpret: bool):
     # pos_ref, slot_ref, tslot_ref: [B, n] i32; key_ref, gate_ref: [B, n, 128] bf16;
-    # ape_ref: [R, 128] f32; cache_ref: [rows, 1024] u32
+    # ape_ref: [R, 128] f32; tab_ref: [1, 64] f32 (numerics.EXP_TABLE); cache_ref: [rows, 1024] u32
     r = s.kpool
     b = B.program_id(0)
     w64 = lax.broadcasted_iota(jnp.int32, (addr.TAIL_ROW_WORDS,), 0)                # [64]
@@ -59,7 +59,7 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, _cache_in,
             gates = [ring_row(blk, (first + j) % s.ring, 1) for j in range(r - 1)]
             keys.append(key_ref[b, t, :])
             gates.append(gate_ref[b, t, :])
-            q8, scale = nm.compress_pool(keys, gates, apes)                         # [128] fp8, []
+            q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))  # [128] fp8, []
             rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w32)
             B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), w32 >= 0)
             rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))
@@ -96,8 +96,8 @@ def decode_update(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, p
         functools.partial(_kernel, s=s, n=n, interpret=interpret),
         grid=(b,),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
-        input_output_aliases={6: 0},
+        input_output_aliases={7: 0},
         interpret=interpret, name="kpool_decode_update", num_warps=num_warps,
     )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), tslot.astype(jnp.int32),
-      key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), ape.astype(jnp.float32), view)
+      key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), ape.astype(jnp.float32), nm.exp_table_input(), view)
     return out.reshape(-1)

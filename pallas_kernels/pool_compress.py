@@ -31,10 +31,10 @@ TILE_POOLS = 8
 NUM_WARPS = 4
 
 
-def _kernel(slot_ref, key_ref, gate_ref, ape_ref, _cache_in, cache_ref, *,
+def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
             s: CacheStrides, t_total: int, tile_pools: int):
     # slot_ref: [T] i32; key_ref, gate_ref: [T, 128] bf16; ape_ref: [R, 128] f32;
-    # cache_ref: [rows, 1024] u32
+    # tab_ref: [1, 64] f32 (numerics.EXP_TABLE); cache_ref: [rows, 1024] u32
     r = s.kpool
     w_rows = tile_pools * r
     p = B.program_id(0)
@@ -58,7 +58,7 @@ def _kernel(slot_ref, key_ref, gate_ref, ape_ref, _cache_in, cache_ref, *,
         keys.append(B.gather(key_ref, member, col, mask=m2))                          # [TILE, 128] bf16
         gates.append(B.gather(gate_ref, member, col, mask=m2))
         apes.append(ape_ref[j, :])                                                    # [128] f32
-    q8, scale = nm.compress_pool(keys, gates, apes)                                   # [TILE,128], [TILE]
+    q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))          # [TILE,128], [TILE]
     w = lax.broadcasted_iota(jnp.int32, (tile_pools, addr.KEY_WORDS), 1)            # [TILE, 32]
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc)[:, None] + w)
     B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), valid[:, None] & (w >= 0))
@@ -82,8 +82,8 @@ def compress_prefill(cache, s: CacheStrides, key, gate, ape, slot_mapping, *, in
         functools.partial(_kernel, s=s, t_total=t, tile_pools=tile_pools),
         grid=(-(-t // w_rows),),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
-        input_output_aliases={4: 0},
+        input_output_aliases={5: 0},
         interpret=interpret, name="kpool_compress_prefill", num_warps=num_warps,
     )(slot_mapping.astype(jnp.int32), key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16),
-      ape.astype(jnp.float32), view)
+      ape.astype(jnp.float32), nm.exp_table_input(), view)
     return out.reshape(-1)

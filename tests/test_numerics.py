@@ -462,6 +462,40 @@ def _newton_recip_contracted(b):
     return y
 
 
+# The numerics the pools were saved with (session 3): exp as a degree-9 Taylor
+# polynomial of full exact-product steps, and the pooled sum with four-product
+# ``mac`` steps. Session 8 replaced both (numerics.exp_f32 / mac_bf16) with
+# cheaper exact forms whose bits differ; the saved bytes pin the old ones.
+_S3_LN2_HI = 0.693145751953125
+_S3_LN2_LO = nm._short(0.6931471805599453 - _S3_LN2_HI)
+_S3_COEFFS = tuple(1.0 / math.factorial(k) for k in range(10))
+
+
+def _s3_exp(d):
+    d = jnp.clip(d, -87.0, 88.0)
+    n = jnp.floor(d * nm.LOG2E)
+    r = (d - n * _S3_LN2_HI) - n * _S3_LN2_LO
+    p = jnp.full_like(r, _S3_COEFFS[9])
+    for c in _S3_COEFFS[8::-1]:
+        p = nm.mac(jnp.float32(c), p, r)
+    return p * nm._f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
+
+
+def _s3_softmax_pool(k, g, ape, recip):
+    """Session-3 pooling of k, g [4, 128] (bf16-valued f32): the bf16-rounded x."""
+    s = [jnp.asarray((g[i] + ape[i]).astype(F32)) for i in range(4)]
+    m = s[0]
+    for i in range(1, 4):
+        m = jnp.maximum(m, s[i])
+    e = [_s3_exp(s[i] - m) for i in range(4)]
+    den = e[0]
+    acc = nm.mac(jnp.zeros(128, jnp.float32), jnp.asarray(k[0]), e[0])
+    for i in range(1, 4):
+        den = den + e[i]
+        acc = nm.mac(acc, jnp.asarray(k[i]), e[i])
+    return nm.round_bf16(jnp.asarray(np.asarray(acc) * recip(np.asarray(den))))
+
+
 def test_saved_triton_fma_pools_root_cause():
     """Pools the Triton compress got wrong on the H200 with FMA contraction: the
     reference gives the golden bytes (the XLA, Pallas and contraction-off Triton
@@ -469,23 +503,13 @@ def test_saved_triton_fma_pools_root_cause():
     the wrong bytes exactly, which pins the cause on lo = a - hi of a product."""
     d, pools = _saved_pools()
     ape = d["ape"].astype(F32)
+    recip = lambda den: np.asarray(nm.recip_f32(jnp.asarray(den)))      # noqa: E731
     for j, (k, g) in enumerate(pools):
-        q8, _ = jax.jit(nm.compress_pool)([jnp.asarray(k[i]) for i in range(4)],
-                                          [jnp.asarray(g[i]) for i in range(4)],
-                                          [jnp.asarray(ape[i]) for i in range(4)])
+        q8, _ = nm.rotate_quant(_s3_softmax_pool(k, g, ape, recip))
         got = np.asarray(q8).view(np.uint8)
         np.testing.assert_array_equal(got, d[f"golden{j}"], err_msg=f"pool {j}")
         np.testing.assert_array_equal(got, d[f"triton_nofma{j}"], err_msg=f"pool {j}")
         assert (d[f"triton_fma{j}"] != got).any()
         # the same pooling with the contracted reciprocal
-        s = g + ape
-        m = s.max(0)
-        e = [np.asarray(nm.exp_f32(jnp.asarray((s[i] - m).astype(F32)))) for i in range(4)]
-        den = e[0]
-        acc = np.asarray(nm.mac(jnp.zeros(128, jnp.float32), jnp.asarray(k[0]), jnp.asarray(e[0])))
-        for i in range(1, 4):
-            den = (den + e[i]).astype(F32)
-            acc = np.asarray(nm.mac(jnp.asarray(acc), jnp.asarray(k[i]), jnp.asarray(e[i])))
-        x = np.asarray(nm.round_bf16(jnp.asarray((acc * _newton_recip_contracted(den)).astype(F32))))
-        q8c, _ = nm.rotate_quant(jnp.asarray(x))
+        q8c, _ = nm.rotate_quant(_s3_softmax_pool(k, g, ape, _newton_recip_contracted))
         np.testing.assert_array_equal(np.asarray(q8c).view(np.uint8), d[f"triton_fma{j}"], err_msg=f"pool {j}")

@@ -27,10 +27,11 @@ import triton
 import triton.language as tl
 
 from .. import addressing as addr
+from .. import numerics as nm
 from ..strides import CacheStrides
 from . import _call
 from .addressing_tl import word_index
-from .numerics_tl import (NAN_ALL, bf16_to_f32, exp_f32, mac, pool_finish, rotate_quant_words,
+from .numerics_tl import (NAN_ALL, bf16_to_f32, exp_f32, mac_bf16, pool_finish, rotate_quant_words,
                           unpack_words_f32)
 
 NUM_WARPS = 1
@@ -93,7 +94,7 @@ def _score(cache_ptr, ent, gate_row_ptr, ape_ptr, j: tl.constexpr, R: tl.constex
 @triton.jit
 def decode_update_kernel(N, tab_ptr, key_ptr, gate_ptr, ape_ptr, cache_in_ptr, cache_ptr, R: tl.constexpr):
     # N: i32 tokens per request; tab: [B, N, R + 1, 4] i32 (decode_targets);
-    # key, gate: [B, N, 128] bf16; ape: [R, 128] f32;
+    # key, gate: [B, N, 128] bf16; ape: [R * 128 + 64] f32 (the ape rows, then numerics.EXP_TABLE);
     # cache: [total_words] u32 (cache_in_ptr is the same buffer, unused)
     b = tl.program_id(0)
     w64 = tl.arange(0, 64)[None, :]
@@ -110,13 +111,13 @@ def decode_update_kernel(N, tab_ptr, key_ptr, gate_ptr, ape_ptr, cache_in_ptr, c
             for j in tl.static_range(1, R):
                 mx = tl.maximum(mx, _score(cache_ptr, ent, gate_row_ptr, ape_ptr, j, R),
                                 propagate_nan=NAN_ALL)
-            e = exp_f32(_score(cache_ptr, ent, gate_row_ptr, ape_ptr, 0, R) - mx)
+            e = exp_f32(_score(cache_ptr, ent, gate_row_ptr, ape_ptr, 0, R) - mx, ape_ptr + R * 128)
             den = e
-            acc = mac(tl.zeros_like(e), _member(cache_ptr, ent, key_row_ptr, 0, 0, R), e)
+            acc = mac_bf16(tl.zeros_like(e), _member(cache_ptr, ent, key_row_ptr, 0, 0, R), e)
             for j in tl.static_range(1, R):
-                e = exp_f32(_score(cache_ptr, ent, gate_row_ptr, ape_ptr, j, R) - mx)
+                e = exp_f32(_score(cache_ptr, ent, gate_row_ptr, ape_ptr, j, R) - mx, ape_ptr + R * 128)
                 den = den + e
-                acc = mac(acc, _member(cache_ptr, ent, key_row_ptr, j, 0, R), e)
+                acc = mac_bf16(acc, _member(cache_ptr, ent, key_row_ptr, j, 0, R), e)
             words, scale = rotate_quant_words(pool_finish(acc, den), 1)   # [1, 32] u32, [1] f32
             pcol = tl.load(ent + R * 4 + 1)
             srow = tl.load(ent + R * 4 + 2)
@@ -144,7 +145,7 @@ def plan(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, positions,
     tab = decode_targets(s, slot_mapping.astype(jnp.int32), tslot.astype(jnp.int32),
                          positions.astype(jnp.int32))
     return _call.Launch(decode_update_kernel,
-                        (tab, key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), ape.astype(jnp.float32), cache),
+                        (tab, key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), nm.ape_with_exp_table(ape), cache),
                         cache_index=4, grid=(b,), num_warps=num_warps, name="kpool_decode_update_triton",
                         constexprs=dict(R=s.kpool), scalars=(n,))
 

@@ -13,9 +13,10 @@ the bits match across backends (see numerics.py and docs/design.md):
   add is exact (n * ln2 parts, powers of two). On top of that the launches turn
   Triton's FMA contraction off (``_call.Launch.fp_fusion``), like the Pallas
   path; the GPU tests check both settings against the golden model.
-* no Triton ``exp``, ``exp2``, ``log2`` or f32 division: ``exp_f32`` (Cody-Waite +
-  degree-9 polynomial + exponent bits) and ``recip_f32`` (bit seed + 4 Newton
-  steps) are built from add, mul, floor and integer bit operations;
+* no Triton ``exp``, ``exp2``, ``log2`` or f32 division: ``exp_f32`` (reduction by
+  ln2/64, the 64-entry table ``numerics.EXP_TABLE`` read from memory, a cubic in
+  exact-product form, exponent bits) and ``recip_f32`` (bit seed + 4 Newton steps)
+  are built from add, mul, floor, loads and integer bit operations;
 * bf16 rounding, the power-of-two scale and the e4m3 code are integer bit
   operations, and bf16 -> f32 is a 16-bit shift of the bits;
 * the Hadamard transform pairs (a + b, a - b) per stage in the constant-geometry
@@ -28,8 +29,6 @@ Constants are the float32 values the reference uses (its Python floats rounded
 to f32 once, here, with numpy), so Triton never has to round a literal.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import triton
@@ -44,16 +43,18 @@ def _f32c(v) -> tl.constexpr:
 
 
 LOG2E = _f32c(nm.LOG2E)
-LN2_HI = _f32c(nm.LN2_HI)
-LN2_LO = _f32c(nm.LN2_LO)
+EXP_SCALE = _f32c(nm._EXP_SCALE)
+EXP_L1 = _f32c(nm.EXP_L1)
+EXP_L2 = _f32c(nm.EXP_L2)
+EXP_L3 = _f32c(nm.EXP_L3)
+EXP_C6 = _f32c(nm.EXP_C6)
+EXP_TABLE_BITS = tl.constexpr(nm.EXP_TABLE_BITS)
 INV_SQRT_128 = _f32c(nm.INV_SQRT_128)
 FP8_MAX = _f32c(nm.FP8_MAX)
 AMAX_FLOOR = _f32c(nm.AMAX_FLOOR)
 INV_FP8_MAX = _f32c(1.0 / nm.FP8_MAX)
 EXP_LO = _f32c(-87.0)
 EXP_HI = _f32c(88.0)
-_C = [_f32c(1.0 / math.factorial(k)) for k in range(10)]   # e^r Taylor coefficients
-C0, C1, C2, C3, C4, C5, C6, C7, C8, C9 = _C
 NAN_ALL = tl.constexpr(tl.PropagateNan.ALL)
 
 
@@ -94,24 +95,35 @@ def mac(c, a, b):
 
 
 @triton.jit
-def exp_f32(d):
-    """numerics.exp_f32: e**d, clamped to [-87, 88]."""
+def hi12(a):
+    """The hi part of split12(a): a's top 12 significant bits."""
+    return as_f32(as_u32(a) & 0xFFFFF000)
+
+
+@triton.jit
+def mac_bf16(c, k, e):
+    """numerics.mac_bf16: c + k*e for bf16-valued k, two exact partial products."""
+    eh, el = split12(e)
+    return (c + k * eh) + k * el
+
+
+@triton.jit
+def exp_f32(d, tab_ptr):
+    """numerics.exp_f32: e**d, clamped to [-87, 88]; tab_ptr -> numerics.EXP_TABLE [64] f32."""
     d = tl.minimum(tl.maximum(d, EXP_LO, propagate_nan=NAN_ALL), EXP_HI, propagate_nan=NAN_ALL)
-    t = d * LOG2E
-    n = tl.floor(t)
-    r = (d - n * LN2_HI) - n * LN2_LO
-    p = tl.zeros_like(r) + C9
-    p = mac(C8, p, r)
-    p = mac(C7, p, r)
-    p = mac(C6, p, r)
-    p = mac(C5, p, r)
-    p = mac(C4, p, r)
-    p = mac(C3, p, r)
-    p = mac(C2, p, r)
-    p = mac(C1, p, r)
-    p = mac(C0, p, r)
-    two_n = as_f32(((n.to(tl.int32) + 127) << 23).to(tl.uint32))
-    return p * two_n
+    kf = tl.floor(d * EXP_SCALE)
+    r = ((d - kf * EXP_L1) - kf * EXP_L2) - kf * EXP_L3
+    k = kf.to(tl.int32)
+    t = tl.load(tab_ptr + (k & ((1 << EXP_TABLE_BITS) - 1)))
+    rh, rl = split12(r)
+    r2 = rh * rh + rh * (rl + rl)
+    r3 = hi12(r2) * hi12(rh * EXP_C6)
+    q = r + (r2 * 0.5 + r3)
+    th, tl_ = split12(t)
+    qh, ql = split12(q)
+    e = t + ((th * qh + th * ql) + tl_ * qh)
+    two_n = as_f32((((k >> EXP_TABLE_BITS) + 127) << 23).to(tl.uint32))
+    return e * two_n
 
 
 @triton.jit

@@ -22,10 +22,11 @@ import triton
 import triton.language as tl
 
 from .. import addressing as addr
+from .. import numerics as nm
 from ..strides import CacheStrides
 from . import _call
 from .addressing_tl import word_index
-from .numerics_tl import NAN_ALL, bf16_to_f32, exp_f32, mac, pool_finish, rotate_quant_words
+from .numerics_tl import NAN_ALL, bf16_to_f32, exp_f32, mac_bf16, pool_finish, rotate_quant_words
 
 TILE_POOLS = 4
 NUM_WARPS = 4
@@ -69,7 +70,8 @@ def _score(gate_ptr, ape_ptr, first, m, j: tl.constexpr):
 def compress_prefill_kernel(N, first_ptr, dst_ptr, key_ptr, gate_ptr, ape_ptr, cache_in_ptr, cache_ptr,
                             R: tl.constexpr, TILE: tl.constexpr):
     # N: i32 completions; first: [N] i32; dst: [N, 4] i32 (pool_targets); key, gate: [T, 128] bf16;
-    # ape: [R, 128] f32; cache: [total_words] u32 (cache_in_ptr is the same buffer, unused)
+    # ape: [R * 128 + 64] f32 (the ape rows, then numerics.EXP_TABLE);
+    # cache: [total_words] u32 (cache_in_ptr is the same buffer, unused)
     k = tl.program_id(0) * TILE + tl.arange(0, TILE)                      # [TILE] completion index
     ok = k < N
     first = tl.load(first_ptr + k, mask=ok, other=-1)
@@ -81,13 +83,13 @@ def compress_prefill_kernel(N, first_ptr, dst_ptr, key_ptr, gate_ptr, ape_ptr, c
         for j in tl.static_range(1, R):
             mx = tl.maximum(mx, _score(gate_ptr, ape_ptr, row0, m, j), propagate_nan=NAN_ALL)
         # pass 2: weights and left-to-right sums
-        e = exp_f32(_score(gate_ptr, ape_ptr, row0, m, 0) - mx)
+        e = exp_f32(_score(gate_ptr, ape_ptr, row0, m, 0) - mx, ape_ptr + R * 128)
         den = e
-        acc = mac(tl.zeros_like(e), _member(key_ptr, row0, m, 0), e)
+        acc = mac_bf16(tl.zeros_like(e), _member(key_ptr, row0, m, 0), e)
         for j in tl.static_range(1, R):
-            e = exp_f32(_score(gate_ptr, ape_ptr, row0, m, j) - mx)
+            e = exp_f32(_score(gate_ptr, ape_ptr, row0, m, j) - mx, ape_ptr + R * 128)
             den = den + e
-            acc = mac(acc, _member(key_ptr, row0, m, j), e)
+            acc = mac_bf16(acc, _member(key_ptr, row0, m, j), e)
         words, scale = rotate_quant_words(pool_finish(acc, den), TILE)    # [TILE, 32] u32, [TILE] f32
         # store the record
         krow = tl.load(dst_ptr + k * 4 + 0, mask=ok, other=-1)
@@ -108,7 +110,7 @@ def plan(cache, s: CacheStrides, key, gate, ape, slot_mapping, *, tile_pools=TIL
     n = first.shape[0]
     return _call.Launch(compress_prefill_kernel,
                         (first, dst, key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16),
-                         ape.astype(jnp.float32), cache),
+                         nm.ape_with_exp_table(ape), cache),
                         cache_index=5, grid=(-(-n // tile_pools),), num_warps=num_warps,
                         name="kpool_compress_prefill_triton", constexprs=dict(R=s.kpool, TILE=tile_pools),
                         scalars=(n,))

@@ -1,0 +1,148 @@
+"""Where the time of the compression kernel goes: the same kernel with parts of its
+numerics swapped for cheap (NOT bit-exact) stand-ins, timed in one run.
+
+Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/probe_compress.py [--tokens 32768] [--quick]
+
+Each variant patches functions of ``pallas_kernels.numerics`` (the kernel body looks
+them up at trace time), clears JAX's caches, and times ``compress_prefill`` in a
+chain of calls with the cache donated (``_timing.time_chain``). Only the first row
+("exact") is the shipped kernel; it is checked byte for byte against the XLA
+reference first. The others are timing probes: their bytes differ by design.
+Reported: us per call, the fraction of device-to-device copy bandwidth (bytes moved
+counted as in bench_writes.py: K + gate + slot read once, 132 B written per pool),
+and the share of the exact kernel's time each probe removes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax import ops
+from pallas_kernels import numerics as nm
+from pallas_kernels.pool_compress import compress_prefill
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import copy_bandwidth, time_chain  # noqa: E402
+from tune_writes import SENTINEL, prefill  # noqa: E402
+
+
+def _plain_mac(c, a, b):
+    return c + a * b
+
+
+def _fast_exp(d, lookup=None):
+    return jnp.exp(jnp.clip(d, -87.0, 88.0))
+
+
+def _fast_recip(b):
+    return 1.0 / b
+
+
+def _no_hadamard(x):
+    return x
+
+
+PROBES = {
+    "exact": {},
+    "mac -> c + a*b": {"mac": _plain_mac, "mac_bf16": _plain_mac},
+    "exp -> jnp.exp": {"exp_f32": _fast_exp},
+    "recip -> 1/x": {"recip_f32": _fast_recip},
+    "hadamard -> identity": {"hadamard128": _no_hadamard},
+    "exp+recip cheap": {"exp_f32": _fast_exp, "recip_f32": _fast_recip},
+    "all cheap": {"exp_f32": _fast_exp, "recip_f32": _fast_recip, "mac": _plain_mac,
+                  "mac_bf16": _plain_mac, "hadamard128": _no_hadamard},
+}
+
+
+@contextlib.contextmanager
+def patched(names):
+    old = {k: getattr(nm, k) for k in names}
+    try:
+        for k, v in names.items():
+            setattr(nm, k, v)
+        jax.clear_caches()
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(nm, k, v)
+        jax.clear_caches()
+
+
+def profile(probes, shapes, layout, s, args):
+    """One call per (probe, shape), in order, inside the CUDA profiler's window."""
+    from profile_kernels import cudart
+    lib = cudart()
+    order = []
+    for name, patch in probes.items():
+        for tp, nw in shapes:
+            with patched(patch):
+                f = jax.jit(lambda c, *x, tp=tp, nw=nw: compress_prefill(c, s, *x, tile_pools=tp, num_warps=nw),
+                            donate_argnums=0)
+                c = jax.block_until_ready(f(layout.allocate(0), *args))
+                if lib is not None:
+                    lib.cudaProfilerStart()
+                c = jax.block_until_ready(f(c, *args))
+                if lib is not None:
+                    lib.cudaProfilerStop()
+            order.append(f"{name} {tp}x{nw}")
+    print("profiled, in order:", "; ".join(order))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--shapes", default="8x4,16x4,16x8,32x8", help="tile_pools x num_warps list")
+    ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    ap.add_argument("--profile", action="store_true",
+                    help="run each probe once between cudaProfilerStart/Stop (for ncu --profile-from-start off)")
+    ap.add_argument("--probes", default=",".join(PROBES), help="comma-separated probe names")
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    tokens = 512 if a.quick else a.tokens
+    reps, trials = (2, 1) if a.quick else (10, 5)
+    layout, sc, pre, _ = prefill(rng, tokens, 4 if a.quick else 64)
+    s, ape = layout.strides(0), jnp.asarray(sc.ape)
+    args = (pre["key"], pre["gate"], ape, pre["slot_mapping"])
+    t = int(pre["key"].shape[0])
+    nbytes = t * (512 + 4) + (t // layout.config.kpool) * 132
+    bw = copy_bandwidth(1 << 26 if a.quick else 1 << 30)
+    shapes = [tuple(int(v) for v in x.split("x")) for x in a.shapes.split(",")]
+    if a.quick:
+        shapes = shapes[:1]
+
+    probes = {k: PROBES[k] for k in a.probes.split(",")}
+    if a.profile:
+        return profile(probes, shapes, layout, s, args)
+    want = np.asarray(ops.compress_prefill(layout.allocate(SENTINEL), layout, 0, *args, implementation="xla"))
+    rows = []
+    for name, patch in probes.items():
+        for tp, nw in shapes:
+            with patched(patch):
+                f = lambda c, *x, tp=tp, nw=nw: compress_prefill(c, s, *x, tile_pools=tp, num_warps=nw)
+                note = ""
+                if not patch:
+                    got = np.asarray(f(layout.allocate(SENTINEL), *args))
+                    note = "bytes == reference" if (got == want).all() else "BYTES DIFFER"
+                sec = time_chain(f, layout.allocate(0), *args, reps=reps, trials=trials)[0]
+            rows.append((name, f"{tp}x{nw}", sec, note))
+    base = {shape: sec for name, shape, sec, _ in rows if name == "exact"}
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
+          f"compression of {t} tokens, {nbytes / 1e6:.2f} MB moved; copy bandwidth {bw / 1e12:.2f} TB/s")
+    hdr = f"{'probe':<24}{'tile x warps':>13}{'us/call':>10}{'x copy BW':>11}{'saves':>8}  note"
+    print(hdr + "\n" + "-" * len(hdr))
+    for name, shape, sec, note in rows:
+        frac = nbytes / sec / bw
+        saves = 1 - sec / base[shape]
+        print(f"{name:<24}{shape:>13}{sec * 1e6:>10.2f}{frac:>11.3f}{saves:>8.0%}  {note}")
+    print("\nx copy BW: (bytes moved / time) / copy bandwidth of this run; saves: 1 - probe / exact at "
+          "the same launch shape. Only 'exact' is a shipped kernel.")
+
+
+if __name__ == "__main__":
+    main()
