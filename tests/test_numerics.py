@@ -290,6 +290,101 @@ def test_exp_f32_is_context_independent(rng):
     np.testing.assert_array_equal(_bits(fus), _bits(np.asarray(jax.jit(nm.exp_f32)(jnp.asarray(s)))))
 
 
+def test_exp_table_is_correctly_rounded():
+    """EXP_TABLE[j] is 2**(j/64) rounded to nearest f32 (checked at 40 digits)."""
+    import decimal
+    ctx = decimal.Context(prec=40)
+    for j, t in enumerate(nm.EXP_TABLE):
+        x = ctx.power(decimal.Decimal(2), decimal.Decimal(j) / 64)
+        err = abs(decimal.Decimal(float(t)) - x)
+        half_ulp = decimal.Decimal(float(np.spacing(t))) / 2
+        assert err <= half_ulp, f"T[{j}] = {t!r} is {err / half_ulp} half-ulps off"
+
+
+def _mul_add(a, b, c, fused):
+    """c + a*b in f32: one rounding when fused (float64 holds the f32 product), two otherwise."""
+    if fused:
+        return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(F32)
+    return (c + (a * b).astype(F32)).astype(F32)
+
+
+def _exact(a, b):
+    return np.all((a * b).astype(F32).astype(np.float64) == a.astype(np.float64) * b.astype(np.float64))
+
+
+def _exp_model(d, fused):
+    """numerics.exp_f32 step by step in numpy, each multiply-add fused or not."""
+    f = lambda v: np.asarray(v, F32)                                            # noqa: E731
+    d = np.clip(d, -87.0, 88.0).astype(F32)
+    kf = np.floor((d * F32(nm._EXP_SCALE)).astype(F32))
+    r = d
+    for part in (nm.EXP_L1, nm.EXP_L2, nm.EXP_L3):
+        assert _exact(kf, f(part))
+        r = _mul_add(-kf, f(part), r, fused)
+    k = kf.astype(np.int32)
+    t = nm.EXP_TABLE[k & 63]
+    rh, rl = _split12_np(r)
+    rl2 = (rl + rl).astype(F32)
+    assert _exact(rh, rh) and _exact(rh, rl2)
+    r2 = _mul_add(rh, rl2, (rh * rh).astype(F32), fused)
+    hi = lambda v: (v.view(np.uint32) & np.uint32(0xFFFFF000)).view(F32)      # noqa: E731
+    c = (rh * F32(nm.EXP_C6)).astype(F32)
+    assert _exact(rh, f(nm.EXP_C6)) and _exact(hi(r2), hi(c))
+    r3 = (hi(r2) * hi(c)).astype(F32)
+    q = (r + _mul_add(r2, f(0.5), r3, fused)).astype(F32)
+    th, tl = _split12_np(t)
+    qh, ql = _split12_np(q)
+    assert _exact(th, qh) and _exact(th, ql) and _exact(tl, qh)
+    tq = _mul_add(tl, qh, _mul_add(th, ql, (th * qh).astype(F32), fused), fused)
+    e = (t + tq).astype(F32)
+    two_n = (((k >> 6) + 127).astype(np.uint32) << np.uint32(23)).view(F32)
+    return (e * two_n).astype(F32)
+
+
+def test_exp_f32_products_are_exact_so_contraction_cannot_change_a_bit(rng):
+    """Every multiply-add of exp_f32 gives the same bits fused (FMA) or not, and the
+    jitted function equals that step-by-step model (on the GPU: XLA's code)."""
+    d = np.concatenate([rng.uniform(-87, 0, 100000), -np.exp2(rng.uniform(-40, 6, 20000)),
+                        rng.uniform(0, 88, 20000), [0.0, -0.0, -87.0, 88.0, -1e-30]]).astype(F32)
+    sep, fus = _exp_model(d, False), _exp_model(d, True)
+    np.testing.assert_array_equal(_bits(fus), _bits(sep))
+    np.testing.assert_array_equal(_bits(np.asarray(jax.jit(nm.exp_f32)(jnp.asarray(d)))), _bits(sep))
+    # the lookup kernels pass (a gather from their table input) gives the same bits
+    tab = jnp.asarray(nm.exp_table_input())
+    got = jax.jit(lambda x: nm.exp_f32(x, lambda j: tab[jnp.zeros_like(j), j]))(jnp.asarray(d))
+    np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(sep))
+
+
+def test_exp_model_detects_an_inexact_product(rng):
+    """The fused-vs-separate comparison above can fail: with a 16-bit ln2/64 part
+    (k * part needs up to 29 bits) the two evaluations differ."""
+    d = rng.uniform(-87, 0, 20000).astype(F32)
+    kf = np.floor((d * F32(nm._EXP_SCALE)).astype(F32))
+    part = F32(nm._short(nm._EXP_L, 16))
+    assert not _exact(kf, np.full_like(kf, part))
+    sep = _mul_add(-kf, np.full_like(kf, part), d, False)
+    fus = _mul_add(-kf, np.full_like(kf, part), d, True)
+    assert np.any(_bits(sep) != _bits(fus))
+
+
+def test_mac_bf16_exact_products(rng):
+    """mac_bf16: bf16 k times each 12-bit half of e is exact, so fused == separate,
+    and the jitted function equals the model and is an accurate c + k*e."""
+    n = 50000
+    k = _random_f32(rng, n, -20, 20).astype(ml_dtypes.bfloat16).astype(F32)
+    e = _random_f32(rng, n, -20, 20)
+    c = _random_f32(rng, n, -20, 20)
+    eh, el = _split12_np(e)
+    assert _exact(k, eh) and _exact(k, el)
+    models = [_mul_add(k, el, _mul_add(k, eh, c, fused), fused) for fused in (False, True)]
+    np.testing.assert_array_equal(_bits(models[0]), _bits(models[1]))
+    got = np.asarray(jax.jit(nm.mac_bf16)(jnp.asarray(c), jnp.asarray(k), jnp.asarray(e)))
+    np.testing.assert_array_equal(_bits(got), _bits(models[0]))
+    exact = c.astype(np.float64) + k.astype(np.float64) * e
+    scale = np.abs(c).astype(np.float64) + np.abs(k.astype(np.float64) * e)
+    assert np.all(np.abs(got - exact) <= 2 * 2.0**-24 * scale)
+
+
 def test_recip_f32_accuracy(rng):
     b = np.concatenate([
         np.exp2(rng.uniform(-100, 100, 100000)),
