@@ -1,3 +1,10 @@
+#!/usr/bin/env bash
+# Session 8, run 5: the whole suite compiled on one H200 (as session 7 run 6), then a
+# launch-shape sweep of the compression kernel (probe_compress.py, exact numerics).
+# Carry .vectors and .whl. Logs under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 GLM5_VECTORS=$PWD/.vectors
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
