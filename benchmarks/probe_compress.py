@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 
@@ -48,8 +49,26 @@ def _no_hadamard(x):
     return x
 
 
+# Session 7's numerics (a same-run baseline): exp as a degree-9 Taylor polynomial of
+# four-product ``mac`` steps after a ln 2 reduction, and the pooled sum with ``mac``.
+_S7_LN2_HI = 0.693145751953125
+_S7_LN2_LO = nm._short(0.6931471805599453 - _S7_LN2_HI)
+_S7_COEFFS = tuple(1.0 / math.factorial(k) for k in range(10))
+
+
+def _s7_exp(d, lookup=None):
+    d = jnp.clip(d, -87.0, 88.0)
+    n = jnp.floor(d * nm.LOG2E)
+    r = (d - n * _S7_LN2_HI) - n * _S7_LN2_LO
+    p = jnp.full_like(r, _S7_COEFFS[9])
+    for c in _S7_COEFFS[8::-1]:
+        p = nm.mac(jnp.float32(c), p, r)
+    return p * nm._f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
+
+
 PROBES = {
     "exact": {},
+    "session-7 numerics": {"exp_f32": _s7_exp, "mac_bf16": nm.mac},
     "mac -> c + a*b": {"mac": _plain_mac, "mac_bf16": _plain_mac},
     "exp -> jnp.exp": {"exp_f32": _fast_exp},
     "recip -> 1/x": {"recip_f32": _fast_recip},
@@ -72,6 +91,36 @@ def patched(names):
         for k, v in old.items():
             setattr(nm, k, v)
         jax.clear_caches()
+
+
+def decode(probes, rng, quick):
+    """decode_update under each probe: B = 256 (4 quick), next_n 1 and 4, as bench_writes.py."""
+    from bench_writes import staggered_starts
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    from glm5_jax.testing import Scenario
+    from _timing import empty_launch_seconds
+    from pallas_kernels.decode_update import decode_update
+
+    empty = empty_launch_seconds()
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
+          f"empty Pallas launch {empty * 1e6:.2f} us")
+    print(f"{'probe':<24}{'case':>18}{'us/call':>10}{'x empty':>9}")
+    batch = 4 if quick else 256
+    for nn in (1, 4):
+        cfg = IndexerConfig(num_spec_tokens=nn - 1)
+        ctx = 4 * 1152 - 8
+        layout = CacheLayout(cfg, num_layers=1, num_blocks=batch * 6 + 2)
+        sc = Scenario.random(rng, layout, [ctx] * batch)
+        st = sc.decode(staggered_starts(ctx, batch, nn, cfg.kpool), [nn] * batch, nn)
+        args = [jnp.asarray(st[k]) for k in ("key", "gate")] + [jnp.asarray(sc.ape)] + [
+            jnp.asarray(st[k]) for k in ("slot_mapping", "tslot", "positions")]
+        s = layout.strides(0)
+        for name, patch in probes.items():
+            with patched(patch):
+                sec = time_chain(lambda c, *x: decode_update(c, s, *x), layout.allocate(0), *args,
+                                 reps=3 if quick else 100, trials=1 if quick else 5)[0]
+            print(f"{name:<24}{f'B={batch} next_n={nn}':>18}{sec * 1e6:>10.2f}{sec / empty:>9.2f}")
 
 
 def profile(probes, shapes, layout, s, args):
@@ -102,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="run each probe once between cudaProfilerStart/Stop (for ncu --profile-from-start off)")
     ap.add_argument("--probes", default=",".join(PROBES), help="comma-separated probe names")
+    ap.add_argument("--decode", action="store_true",
+                    help="time decode_update (B = 256, next_n 1 and 4, 100-call chains) instead")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     tokens = 512 if a.quick else a.tokens
@@ -117,6 +168,8 @@ def main(argv=None):
         shapes = shapes[:1]
 
     probes = {k: PROBES[k] for k in a.probes.split(",")}
+    if a.decode:
+        return decode(probes, rng, a.quick)
     if a.profile:
         return profile(probes, shapes, layout, s, args)
     want = np.asarray(ops.compress_prefill(layout.allocate(SENTINEL), layout, 0, *args, implementation="xla"))
