@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import ops
+from glm5_jax.testing import session7_exp_f32
 from pallas_kernels import numerics as nm
 from pallas_kernels.pool_compress import compress_prefill
 
@@ -49,26 +49,9 @@ def _no_hadamard(x):
     return x
 
 
-# Session 7's numerics (a same-run baseline): exp as a degree-9 Taylor polynomial of
-# four-product ``mac`` steps after a ln 2 reduction, and the pooled sum with ``mac``.
-_S7_LN2_HI = 0.693145751953125
-_S7_LN2_LO = nm._short(0.6931471805599453 - _S7_LN2_HI)
-_S7_COEFFS = tuple(1.0 / math.factorial(k) for k in range(10))
-
-
-def _s7_exp(d, lookup=None):
-    d = jnp.clip(d, -87.0, 88.0)
-    n = jnp.floor(d * nm.LOG2E)
-    r = (d - n * _S7_LN2_HI) - n * _S7_LN2_LO
-    p = jnp.full_like(r, _S7_COEFFS[9])
-    for c in _S7_COEFFS[8::-1]:
-        p = nm.mac(jnp.float32(c), p, r)
-    return p * nm._f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
-
-
 PROBES = {
     "exact": {},
-    "session-7 numerics": {"exp_f32": _s7_exp, "mac_bf16": nm.mac},
+    "session-7 numerics": {"exp_f32": session7_exp_f32, "mac_bf16": nm.mac},   # same-run baseline
     "mac -> c + a*b": {"mac": _plain_mac, "mac_bf16": _plain_mac},
     "exp -> jnp.exp": {"exp_f32": _fast_exp},
     "recip -> 1/x": {"recip_f32": _fast_recip},

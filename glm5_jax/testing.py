@@ -10,6 +10,7 @@ spec: no pages, no ring), which the paged cache must reproduce byte for byte.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,26 @@ class Request:
     tail_block: int
     key: np.ndarray                   # [L, 128] bf16
     gate: np.ndarray                  # [L, 128] bf16
+
+
+# Sessions 1-7's exp (replaced in session 8 by numerics.exp_f32's table form): a
+# degree-9 Taylor polynomial of four-product ``mac`` steps after a ln 2 reduction.
+# Kept for what was made with it: the saved Triton FMA pools' golden bytes
+# (tests/test_numerics.py) and the same-run baseline of benchmarks/probe_compress.py.
+_S7_LN2_HI = 0.693145751953125                      # 16 bits: n * LN2_HI exact for |n| < 256
+_S7_LN2_LO = nm._short(0.6931471805599453 - _S7_LN2_HI)
+_S7_COEFFS = tuple(1.0 / math.factorial(k) for k in range(10))
+
+
+def session7_exp_f32(d, lookup=None):
+    """e**d as sessions 1-7 computed it (``lookup`` is ignored: no table)."""
+    d = jnp.clip(d, -87.0, 88.0)
+    n = jnp.floor(d * nm.LOG2E)
+    r = (d - n * _S7_LN2_HI) - n * _S7_LN2_LO
+    p = jnp.full_like(r, _S7_COEFFS[9])
+    for c in _S7_COEFFS[8::-1]:
+        p = nm.mac(jnp.float32(c), p, r)
+    return p * nm._f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
 
 
 def random_rows(rng: np.random.Generator, n: int, scale: float = 1.0):

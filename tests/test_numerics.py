@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from glm5_jax.testing import session7_exp_f32
 from pallas_kernels import numerics as nm
 
 F32 = np.float32
@@ -557,32 +558,16 @@ def _newton_recip_contracted(b):
     return y
 
 
-# The numerics the pools were saved with (session 3): exp as a degree-9 Taylor
-# polynomial of full exact-product steps, and the pooled sum with four-product
-# ``mac`` steps. Session 8 replaced both (numerics.exp_f32 / mac_bf16) with
-# cheaper exact forms whose bits differ; the saved bytes pin the old ones.
-_S3_LN2_HI = 0.693145751953125
-_S3_LN2_LO = nm._short(0.6931471805599453 - _S3_LN2_HI)
-_S3_COEFFS = tuple(1.0 / math.factorial(k) for k in range(10))
-
-
-def _s3_exp(d):
-    d = jnp.clip(d, -87.0, 88.0)
-    n = jnp.floor(d * nm.LOG2E)
-    r = (d - n * _S3_LN2_HI) - n * _S3_LN2_LO
-    p = jnp.full_like(r, _S3_COEFFS[9])
-    for c in _S3_COEFFS[8::-1]:
-        p = nm.mac(jnp.float32(c), p, r)
-    return p * nm._f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
-
-
+# The numerics the pools were saved with (sessions 3-7): ``testing.session7_exp_f32``
+# and the pooled sum with four-product ``mac`` steps. Session 8 replaced both
+# (numerics.exp_f32 / mac_bf16) with cheaper exact forms whose bits differ.
 def _s3_softmax_pool(k, g, ape, recip):
     """Session-3 pooling of k, g [4, 128] (bf16-valued f32): the bf16-rounded x."""
     s = [jnp.asarray((g[i] + ape[i]).astype(F32)) for i in range(4)]
     m = s[0]
     for i in range(1, 4):
         m = jnp.maximum(m, s[i])
-    e = [_s3_exp(s[i] - m) for i in range(4)]
+    e = [session7_exp_f32(s[i] - m) for i in range(4)]
     den = e[0]
     acc = nm.mac(jnp.zeros(128, jnp.float32), jnp.asarray(k[0]), e[0])
     for i in range(1, 4):
