@@ -108,7 +108,7 @@ def mac(c, a, b):
 EXP_TABLE_BITS = 6
 EXP_TABLE_SIZE = 1 << EXP_TABLE_BITS                     # 64
 EXP_TABLE = np.exp2(np.arange(EXP_TABLE_SIZE) / EXP_TABLE_SIZE).astype(np.float32)   # [64] f32, RN
-_EXP_SCALE = float(np.float32(EXP_TABLE_SIZE * LOG2E))   # 92.33...: d * this = d / (ln 2 / 64)
+EXP_SCALE = float(np.float32(EXP_TABLE_SIZE * LOG2E))   # 92.33...: d * this = d / (ln 2 / 64)
 # ln2/64 in three 11-bit parts: |k| < 2**13, so every k * part is exact (<= 24 bits)
 _EXP_L = math.log(2) / EXP_TABLE_SIZE
 EXP_L1 = _short(_EXP_L, 11)
@@ -156,7 +156,7 @@ def exp_f32(d, lookup=None):
     """
     lookup = exp_table_lookup if lookup is None else lookup
     d = jnp.clip(d, -87.0, 88.0)
-    kf = jnp.floor(d * _EXP_SCALE)                          # |k| <= 8125
+    kf = jnp.floor(d * EXP_SCALE)                          # |k| <= 8125
     r = ((d - kf * EXP_L1) - kf * EXP_L2) - kf * EXP_L3    # [-tiny, ln2/64)
     k = kf.astype(jnp.int32)
     t = lookup(k & (EXP_TABLE_SIZE - 1))                   # T[j] in [1, 2)

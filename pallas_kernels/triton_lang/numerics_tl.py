@@ -10,9 +10,9 @@ the bits match across backends (see numerics.py and docs/design.md):
   12-bit halves uses only its bits (``split12``), because Triton contracted the
   old ``lo = a - hi`` with the product that made ``a`` (measured on the H200:
   21 of 65,536 pools off by one fp8 step); every other product that reaches an
-  add is exact (n * ln2 parts, powers of two). On top of that the launches turn
-  Triton's FMA contraction off (``_call.Launch.fp_fusion``), like the Pallas
-  path; the GPU tests check both settings against the golden model.
+  add is exact (k * ln2/64 parts, 12-bit halves, powers of two). On top of that
+  the launches turn Triton's FMA contraction off (``_call.Launch.fp_fusion``),
+  like the Pallas path; the GPU tests check both settings against the golden model.
 * no Triton ``exp``, ``exp2``, ``log2`` or f32 division: ``exp_f32`` (reduction by
   ln2/64, the 64-entry table ``numerics.EXP_TABLE`` read from memory, a cubic in
   exact-product form, exponent bits) and ``recip_f32`` (bit seed + 4 Newton steps)
@@ -42,8 +42,7 @@ def _f32c(v) -> tl.constexpr:
     return tl.constexpr(float(np.float32(v)))
 
 
-LOG2E = _f32c(nm.LOG2E)
-EXP_SCALE = _f32c(nm._EXP_SCALE)
+EXP_SCALE = _f32c(nm.EXP_SCALE)
 EXP_L1 = _f32c(nm.EXP_L1)
 EXP_L2 = _f32c(nm.EXP_L2)
 EXP_L3 = _f32c(nm.EXP_L3)
