@@ -252,7 +252,7 @@ def test_exp_f32_accuracy(rng):
     got = np.asarray(jax.jit(nm.exp_f32)(jnp.asarray(d)))
     want = np.exp(d.astype(np.float64)).astype(F32)          # correctly rounded (to f64 accuracy)
     ulps = _ulp_diff(got, want)
-    assert ulps.max() <= 2, f"max {ulps.max()} ulp at d={d[np.argmax(ulps)]!r}"
+    assert ulps.max() <= 1, f"max {ulps.max()} ulp at d={d[np.argmax(ulps)]!r}"   # 2 before session 8
     assert got[d == 0][0] == 1.0
     assert np.all(got > 0) and np.all(got <= 1.0)
 
