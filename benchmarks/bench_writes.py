@@ -79,18 +79,26 @@ def staggered_starts(ctx: int, batch: int, next_n: int, kpool: int) -> list:
     return [ctx - next_n - (b % kpool) for b in range(batch)]
 
 
-def bench_decode(rng, batch, next_n, reps, impls, reps_xla):
+def decode_case(rng, batch: int, next_n: int):
+    """The decode-update benchmark case: (layout, st, args) with args = [key, gate,
+    ape, slot_mapping, tslot, positions] as device arrays (ops.decode_update order).
+
+    Steady state: the requests' positions are staggered, so at next_n = 1 one request
+    in R completes a pool in every call (the kernel's time is its slowest program's:
+    with all requests at one position, a call would complete none or all of them)."""
     cfg = IndexerConfig(num_spec_tokens=max(0, next_n - 1))
-    ctx = 4 * 1152 - 8
+    ctx_tokens = 4 * 1152 - 8
     layout = CacheLayout(cfg, num_layers=1, num_blocks=batch * 6 + 2)
-    sc = Scenario.random(rng, layout, [ctx] * batch)
-    # steady state: the requests' positions are staggered, so at next_n = 1 one request
-    # in R completes a pool in every call (the kernel's time is its slowest program's:
-    # with all requests at one position, a call would complete none or all of them)
-    st = sc.decode(staggered_starts(ctx, batch, next_n, cfg.kpool), [next_n] * batch, next_n)
-    args = [jnp.asarray(st[k]) for k in ("key", "gate")]
-    meta = [jnp.asarray(st[k]) for k in ("slot_mapping", "tslot", "positions")]
-    ape = jnp.asarray(sc.ape)
+    sc = Scenario.random(rng, layout, [ctx_tokens] * batch)
+    st = sc.decode(staggered_starts(ctx_tokens, batch, next_n, cfg.kpool), [next_n] * batch, next_n)
+    args = [jnp.asarray(st[k]) for k in ("key", "gate")] + [jnp.asarray(sc.ape)] + [
+        jnp.asarray(st[k]) for k in ("slot_mapping", "tslot", "positions")]
+    return layout, st, args
+
+
+def bench_decode(rng, batch, next_n, reps, impls, reps_xla):
+    layout, st, args = decode_case(rng, batch, next_n)
+    cfg = layout.config
     completes = int((st["slot_mapping"] >= 0).sum())
     # read K/gate of each token (512 B) + 12 B metadata, stash 512 B; per completion read (R-1)*512, write 132
     nbytes = batch * next_n * (512 + 12 + 512) + completes * ((cfg.kpool - 1) * 512 + 132)
@@ -98,7 +106,7 @@ def bench_decode(rng, batch, next_n, reps, impls, reps_xla):
     for impl in impls:
         step = lambda c, k, g, a, s, ts, p, impl=impl: ops.decode_update(c, layout, 0, k, g, a, s, ts, p,
                                                                          implementation=impl)
-        res[impl], _ = time_chain(step, layout.allocate(0), *args, ape, *meta,
+        res[impl], _ = time_chain(step, layout.allocate(0), *args,
                                   reps=reps_xla if impl == "xla" else reps)
     return [("decode_update", f"B={batch} next_n={next_n}", res, nbytes)]
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The compression kernel under the microscope, one device call: Nsight Compute
 # metrics (time, registers, occupancy, spills, load vectorisation, stall reasons)
-# for the probes of probe_compress.py, and the PTX XLA emitted for the exact kernel
-# (load/store widths, local memory, instruction count). Logs under $OUT.
+# for the probes of probe_compress.py. Logs under $OUT. (XLA's --xla_dump_to does not
+# hold the Pallas Triton kernels' PTX; for the instruction mix use ncu's SASS page and
+# benchmarks/_sass_summary.py.)
 #   device tool: bash benchmarks/gpu_compress_probe.sh
-#   PROBES="exact,all cheap" SHAPES=8x4,16x8 TOKENS=131072 (defaults)
+#   PROBES="exact,mac -> c + a*b,all cheap" SHAPES=8x4,16x8 TOKENS=131072 (defaults)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -38,12 +39,3 @@ for i, m in by.items():
     for k, v in m.items():
         print(f"  {k:<90}{v:>16}")
 PY
-rm -rf /tmp/xdump
-XLA_FLAGS="--xla_dump_to=/tmp/xdump" python3 benchmarks/probe_compress.py --profile --tokens 4096 --shapes 8x4 \
-  --probes exact > /dev/null 2>&1
-for f in $(grep -l "kpool_compress" /tmp/xdump/*.ptx 2>/dev/null | head -1); do
-  echo "PTX $f: $(wc -l < "$f") lines"; cp "$f" "$OUT/compress.ptx"
-  for pat in "ld.global" "ld.global.v4" "ld.global.v2" "st.global" "st.global.v4" "ld.local" "st.local" "ld.shared" "st.shared" "bar.sync" "fma.rn" "mul.f32" "mul.rn.f32" "add.f32" "and.b32" "shfl"; do
-    printf "  %-16s %6d\n" "$pat" "$(grep -c "$pat" "$f")"; done
-done
-ls /tmp/xdump | head -5; ls /tmp/xdump | wc -l

@@ -78,10 +78,7 @@ def patched(names):
 
 def decode(probes, rng, quick):
     """decode_update under each probe: B = 256 (4 quick), next_n 1 and 4, as bench_writes.py."""
-    from bench_writes import staggered_starts
-    from glm5_jax.config import IndexerConfig
-    from glm5_jax.layout import CacheLayout
-    from glm5_jax.testing import Scenario
+    from bench_writes import decode_case
     from _timing import empty_launch_seconds
     from pallas_kernels.decode_update import decode_update
 
@@ -91,13 +88,7 @@ def decode(probes, rng, quick):
     print(f"{'probe':<24}{'case':>18}{'us/call':>10}{'x empty':>9}")
     batch = 4 if quick else 256
     for nn in (1, 4):
-        cfg = IndexerConfig(num_spec_tokens=nn - 1)
-        ctx = 4 * 1152 - 8
-        layout = CacheLayout(cfg, num_layers=1, num_blocks=batch * 6 + 2)
-        sc = Scenario.random(rng, layout, [ctx] * batch)
-        st = sc.decode(staggered_starts(ctx, batch, nn, cfg.kpool), [nn] * batch, nn)
-        args = [jnp.asarray(st[k]) for k in ("key", "gate")] + [jnp.asarray(sc.ape)] + [
-            jnp.asarray(st[k]) for k in ("slot_mapping", "tslot", "positions")]
+        layout, _, args = decode_case(rng, batch, nn)
         s = layout.strides(0)
         for name, patch in probes.items():
             with patched(patch):
