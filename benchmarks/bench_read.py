@@ -221,7 +221,8 @@ def bench_topk_parts(rows, n, k, reps, trials):
             for name, sec in res.items()]
 
 
-LOGITS_SWEEP = [(1, 8, 4), (2, 4, 4), (4, 2, 4), (8, 1, 4), (4, 2, 8), (8, 1, 8), (8, 2, 8), (16, 1, 8)]
+# (pages_per_step, steps, num_warps, byte_view): paged_logits.Tuning; session 9 (the byte view)
+LOGITS_SWEEP = [(4, 1, 2), (8, 1, 2), (4, 2, 2), (2, 2, 2), (4, 1, 4), (8, 1, 4), (4, 4, 4), (8, 1, 4, False)]
 # (score_chunk, target_programs, buckets_per_k, num_warps); the first GPU sweep
 # (docs/results/2026-11-30_s2_bench_read_sweep_run2.txt) ranked 10 shapes: larger
 # chunks and 8 warps lost, the pre-filter won 1.37x; these are the ones left open
@@ -282,7 +283,8 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick, which=("
                                                                  atol=tol * np.abs(want[fin]).max()))
         sec = time_read(f, (cache, q8, w, table, ctx), reps, trials, fixed=1) if ok else float("nan")
         rows.append(dict(kind="sweep", case=f"logits B={batch} ctx={ctx_tokens // 1024}k",
-                         impl=f"G={v[0]} steps={v[1]} warps={v[2]}" + ("" if ok else " WRONG"), s=sec, ok=ok))
+                         impl=f"G={v[0]} steps={v[1]} warps={v[2]}" + (" words" if v[3:] == (False,) else "")
+                         + ("" if ok else " WRONG"), s=sec, ok=ok))
     r_, n_, k_ = topk_case
     x = jax.random.normal(jax.random.PRNGKey(7), (r_, n_), jnp.float32)
     cases = [(f"topk [{r_}, {n_}] k={k_}", x, jnp.full((r_,), n_, jnp.int32), k_)] if "topk" in which else []

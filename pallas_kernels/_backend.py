@@ -38,6 +38,15 @@ def pallas_call(kernel, *, grid, out_shape, input_output_aliases, interpret, nam
         )
 
 
+def narrow_offsets_safe(nbytes: int) -> bool:
+    """Whether a kernel input of `nbytes` bytes can be indexed element by element
+    at any offset: the Triton lowering computes offsets in i32 unless the input is
+    larger than 2**32 bytes, so between 2**31 and 2**32 bytes the elements past
+    byte 2**31 of a 1-byte dtype fault (notes/pallas_gpu.md, measured); wider
+    dtypes keep their element offsets below 2**31."""
+    return nbytes <= 2**31 or nbytes > 2**32
+
+
 def load(ref, mask=None, other=None):
     """Masked load (masked-out lanes read `other` and touch no memory on the GPU)."""
     if mask is None:

@@ -14,6 +14,9 @@ layer base and splits the global word address into (row, col) of the
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
+from jax import lax
+
 from .strides import (CacheStrides, KEY_BYTES, TAIL_ROW_BYTES, VIEW_COL_BITS, VIEW_COLS,
                       WORD_BYTES)
 
@@ -24,6 +27,13 @@ TAIL_ROW_WORDS = TAIL_ROW_BYTES // WORD_BYTES  # 64 words = 128 bf16
 def view_shape(s: CacheStrides) -> tuple[int, int]:
     """Shape of the 2-D uint32 view the kernels index: [rows, VIEW_COLS]."""
     return (s.total_words // VIEW_COLS, VIEW_COLS)
+
+
+def byte_view_shape(s: CacheStrides) -> tuple[int, int]:
+    """Shape of the 2-D uint8 view of the same buffer (read-only kernels; an XLA
+    bitcast of the word view, no copy): [rows, 4 VIEW_COLS], the same rows, so byte
+    4 c + t of a row is byte t of word c."""
+    return (s.total_words // VIEW_COLS, VIEW_COLS * WORD_BYTES)
 
 
 # ---- pool slots (indexer K cache) ----------------------------------------------
@@ -119,6 +129,27 @@ def page_valid(s: CacheStrides, page):
 def page_key_words(s: CacheStrides, page, row):
     """Layer-local word offset of the first of the 32 key words of row `row` of page `page`."""
     return page * (s.page_bytes // WORD_BYTES) + row * KEY_WORDS
+
+
+def key_rows_16b_aligned(s: CacheStrides) -> bool:
+    """Every key row of the layer starts on a 16-byte boundary: page_bytes = 132 P
+    is a multiple of 16 for P in {16, 32, 64}, so it suffices that the layer's
+    base is."""
+    return s.index_base_bytes % 16 == 0 and s.page_bytes % 16 == 0
+
+
+def page_key_bytes(s: CacheStrides, page, row):
+    """(rows, cols) [N, 8, 16] i32: where the 128 key bytes of pools (page, row) ([N]
+    i32 each) lie in the byte view (``byte_view_shape``): byte 16 g + t of pool i
+    at [i, g, t]. Needs ``key_rows_16b_aligned``: each group of 16 bytes then lies
+    inside one view row (4 VIEW_COLS is a multiple of 16), and its column is
+    written as 16 * (word col // 4) + t, the same value spelled so that Triton can
+    prove the group 16-byte aligned and load it with one 128-bit access."""
+    start = page_key_words(s, page, row)                                           # [N]
+    n, g = start.shape[0], KEY_WORDS // 4
+    r, c = split_word(s, start[:, None] + 4 * lax.broadcasted_iota(jnp.int32, (n, g), 1))   # [N, 8]
+    t = lax.broadcasted_iota(jnp.int32, (n, g, 16), 2)
+    return jnp.broadcast_to(r[:, :, None], (n, g, 16)), (c >> 2)[:, :, None] * 16 + t
 
 
 def page_scale_words(s: CacheStrides, page, row):

@@ -13,13 +13,16 @@ Writes ONLY its output [B, n, max_pages * P] f32. The cache is not modified.
 Grid: (B, ceil(n / BN), ceil(max_pages / (pages_per_step * steps))). A program
 holds BN query rows of one request (the next_n rows of a decode request share
 every page read) and walks `steps` steps of `pages_per_step` (G) page-table
-columns (``Tuning``). Per step it gathers the G pages' [G*P, 32] key words at
-once (neighbouring lanes read neighbouring words; more bytes in flight than one
-page at a time) and their G*P scales, transposes the u32 word tile, unpacks the
-fp8 bytes into K-major [128, G*P] order, computes the fp8 x fp8 -> f32 dot
-[BN*Hp, 128] x [128, G*P], scales, applies ReLU, sums the weighted heads and
-stores [BN, G*P] logits. Columns past the block's longest context store -inf
+columns (``Tuning``). Per step it gathers the G pages' key rows at once (more
+bytes in flight than one page at a time) and their G*P scales, computes the
+fp8 x fp8 -> f32 dot [BN*Hp, 128] x [128, G*P], scales, applies ReLU, sums the
+weighted heads and stores [BN, G*P] logits. Columns past the block's longest context store -inf
 without touching the cache.
+
+Keys are read through a u8 byte view of the cache (an XLA bitcast of the u32
+word view, no copy) as 16-byte groups, [G*P, 128] fp8 as stored, wherever that
+is safe (``key_source``); else as u32 words, transposed and unpacked into
+K-major bytes in the kernel (``load_pages``).
 
 The helpers ``load_query_block``, ``load_pages`` and ``pages_logits`` (through
 ``score_pages``) are shared with the fused logits -> top-k kernel
@@ -40,9 +43,9 @@ from . import addressing as addr
 from . import numerics as nm
 from .strides import CacheStrides
 
-PAGES_PER_STEP = 8          # page-table columns gathered at once (defaults of Tuning:
-STEPS = 1                   # the fastest shape of the H200 sweep, 1.41x G=1; bench_read --sweep)
-NUM_WARPS = 4
+PAGES_PER_STEP = 4          # page-table columns gathered at once (defaults of Tuning:
+STEPS = 1                   # the fastest shape of session 9's H200 probe with the byte view,
+NUM_WARPS = 4               # benchmarks/probe_logits.py; bench_read --sweep)
 MAX_DOT_ROWS = 128          # BN * Hp: query rows per program times padded heads
 
 
@@ -106,26 +109,60 @@ def unpack_fp8_words_t(w):
     return lax.bitcast_convert_type(b, nm.FP8)
 
 
-def load_pages(cache_ref, s: CacheStrides, pages, ok):
+def key_source(s: CacheStrides, byte_view=None) -> bool:
+    """Whether the read kernels load keys through the byte view (True) or the
+    word view (False). byte_view None: the byte view wherever it is safe, i.e.
+    key rows 16-byte aligned (``addressing.key_rows_16b_aligned``) and a buffer
+    size whose byte offsets the backend indexes correctly
+    (``_backend.narrow_offsets_safe``: not between 2 and 4 GiB). True where unsafe
+    is an error."""
+    safe = addr.key_rows_16b_aligned(s) and B.narrow_offsets_safe(s.total_bytes)
+    if byte_view is None:
+        return safe
+    if byte_view and not safe:
+        raise ValueError(f"the byte view cannot read this layout (16-byte aligned key rows: "
+                         f"{addr.key_rows_16b_aligned(s)}, {s.total_bytes} bytes in the buffer)")
+    return bool(byte_view)
+
+
+def cache_views(cache, s: CacheStrides, byte_view: bool):
+    """The kernel inputs for the cache: the u32 word view, plus the u8 byte view
+    of the same buffer when keys are read as bytes (an XLA bitcast: no copy)."""
+    view = cache.reshape(addr.view_shape(s))
+    if not byte_view:
+        return (view,)
+    return view, lax.bitcast_convert_type(view, jnp.uint8).reshape(addr.byte_view_shape(s))
+
+
+def load_pages(cache_ref, bytes_ref, s: CacheStrides, pages, ok):
     """Keys and scales of G pages at once (more bytes in flight per program).
 
     pages: [G] i32 page ids; ok: [G] bool (nothing of a page is read unless ok).
     Returns (k8t [128, G*P] e4m3fn, column g*P + r = row r of pages[g], transposed;
     kscale [G*P] f32).
+
+    bytes_ref (the byte view) given: each key row is loaded as 8 aligned 16-byte
+    groups, [G*P, 128] e4m3fn as stored, and handed to the dot transposed (Triton
+    puts it in shared memory as loaded; 19 instead of 31 warp instructions per pool,
+    1.5x faster on the H200, docs/benchmarks.md session 9). bytes_ref None: the
+    [G*P, 32] u32 key words (neighbouring lanes read neighbouring words), transposed
+    and unpacked into K-major bytes.
     """
     g, p = pages.shape[0], s.page_rows
     gp = g * p
     page_r = jnp.broadcast_to(jnp.where(ok, pages, 0)[:, None], (g, p)).reshape(gp)   # [G*P]
     ok_r = jnp.broadcast_to(ok[:, None], (g, p)).reshape(gp)
     row_r = _iota((gp,), 0) % p
+    rs, cs = addr.split_word(s, addr.page_scale_words(s, page_r, row_r))
+    kscale = lax.bitcast_convert_type(B.gather(cache_ref, rs, cs, mask=ok_r, other=0), jnp.float32)
+    if bytes_ref is not None:
+        rb, cb = addr.page_key_bytes(s, page_r, row_r)                             # [G*P, 8, 16]
+        kb = B.gather(bytes_ref, rb, cb, mask=jnp.broadcast_to(ok_r[:, None, None], rb.shape), other=0)
+        return lax.bitcast_convert_type(kb.reshape(gp, nm.HEAD_DIM), nm.FP8).T, kscale
     w = _iota((gp, addr.KEY_WORDS), 1)
-    # [G*P, 32]: neighbouring lanes read neighbouring words (coalesced 128-byte rows);
-    # the u32 tile is then transposed (not the fp8 one) to get K-major keys
     rr, cc = addr.split_word(s, addr.page_key_words(s, page_r, row_r)[:, None] + w)
     words = B.gather(cache_ref, rr, cc, mask=ok_r[:, None] & (w >= 0), other=0).T     # [32, G*P]
-    rs, cs = addr.split_word(s, addr.page_scale_words(s, page_r, row_r))
-    sw = B.gather(cache_ref, rs, cs, mask=ok_r, other=0)
-    return unpack_fp8_words_t(words), lax.bitcast_convert_type(sw, jnp.float32)
+    return unpack_fp8_words_t(words), kscale
 
 
 def pages_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int):
@@ -138,20 +175,21 @@ def pages_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int):
     return jnp.sum(sc.reshape(bn, hp, sc.shape[-1]), axis=1)                      # [BN, G*P]
 
 
-def score_pages(cache_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col0, enabled, *,
+def score_pages(cache_ref, bytes_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col0, enabled, *,
                 n_pages: int, bn: int, hp: int, max_pages: int):
     """Logits of page-table columns col0 .. col0 + n_pages - 1 of request b.
 
     Returns (logits [BN, G*P] f32 with -inf outside context or on an invalid page,
     pools [G*P] i32 request-relative pool ids, live [BN, G*P] bool = pool < context).
-    Reads the cache only if `enabled` (scalar) and a page id is valid.
+    Reads the cache only if `enabled` (scalar) and a page id is valid; keys
+    through bytes_ref (the byte view) unless it is None (``load_pages``).
     """
     g, p = n_pages, s.page_rows
     cols = col0 + _iota((g,), 0)                                                   # [G]
     in_table = cols < max_pages
     pages = B.gather(table_ref, b + 0 * cols, jnp.minimum(cols, max_pages - 1))    # [G]
     page_ok = enabled & in_table & addr.page_valid(s, pages)
-    k8t, kscale = load_pages(cache_ref, s, pages, page_ok)
+    k8t, kscale = load_pages(cache_ref, bytes_ref, s, pages, page_ok)
     lg = pages_logits(qb, k8t, kscale, bn=bn, hp=hp)                               # [BN, G*P]
     pools = addr.table_pool(s, col0, _iota((g * p,), 0))                           # [G*P]
     ok_r = jnp.broadcast_to((in_table & page_ok)[:, None], (g, p)).reshape(g * p)
@@ -159,10 +197,12 @@ def score_pages(cache_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col0, 
     return jnp.where(live & ok_r[None, :], lg, -jnp.inf), pools, live
 
 
-def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, out_ref, *,
-            s: CacheStrides, n: int, hp: int, bn: int, max_pages: int, tune: "Tuning"):
+def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
+            s: CacheStrides, n: int, hp: int, bn: int, max_pages: int, tune: "Tuning", byte_view: bool):
     # ctx_ref: [B*n] i32; table_ref: [B, max_pages] i32; q_ref: [B*n*Hp, 128] e4m3fn;
-    # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32; out_ref: [B*n, max_pages*P] f32
+    # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32; (bytes_ref: [rows, 4096] u8, the
+    # same buffer, if byte_view); out_ref: [B*n, max_pages*P] f32
+    bytes_ref, out_ref = refs if byte_view else (None,) + refs
     b, rb, g = B.program_id(0), B.program_id(1), B.program_id(2)
     p, gp = s.page_rows, tune.pages_per_step * s.page_rows
     qb = load_query_block(ctx_ref, q_ref, w_ref, b, rb * bn, n=n, hp=hp, bn=bn)
@@ -177,7 +217,7 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, out_ref, *,
 
         @B.when(col0 < need)
         def _score():
-            lg, _, _ = score_pages(cache_ref, table_ref, s, qb, b, col0, col0 < need,
+            lg, _, _ = score_pages(cache_ref, bytes_ref, table_ref, s, qb, b, col0, col0 < need,
                                    n_pages=tune.pages_per_step, bn=bn, hp=hp, max_pages=max_pages)
             B.scatter(out_ref, rows2, pools, lg, store_ok)
 
@@ -198,6 +238,7 @@ class Tuning:
     pages_per_step: int = PAGES_PER_STEP
     steps: int = STEPS
     num_warps: int = NUM_WARPS
+    byte_view: bool | None = None       # keys through the byte view: None = wherever safe (key_source)
 
     def __post_init__(self):
         if self.pages_per_step not in (1, 2, 4, 8, 16) or self.steps < 1 or self.num_warps not in (1, 2, 4, 8):
@@ -217,14 +258,15 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
     if b == 0 or n == 0 or max_pages == 0:
         return jnp.full((b, n, m), -jnp.inf, jnp.float32)
     bn = rows_per_block(n, hp)
-    view = cache.reshape(addr.view_shape(s))
+    byte_view = key_source(s, tune.byte_view)
     per_program = tune.pages_per_step * tune.steps
     out = B.pallas_call(
-        functools.partial(_kernel, s=s, n=n, hp=hp, bn=bn, max_pages=max_pages, tune=tune),
+        functools.partial(_kernel, s=s, n=n, hp=hp, bn=bn, max_pages=max_pages, tune=tune, byte_view=byte_view),
         grid=(b, -(-n // bn), -(-max_pages // per_program)),
         out_shape=jax.ShapeDtypeStruct((b * n, m), jnp.float32),
         input_output_aliases={},
         interpret=interpret, name="kpool_paged_logits", num_warps=tune.num_warps,
     )(context_pools.astype(jnp.int32).reshape(b * n), page_table_pages.astype(jnp.int32),
-      q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp), view)
+      q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp),
+      *cache_views(cache, s, byte_view))
     return out.reshape(b, n, m)

@@ -38,21 +38,22 @@ import jax
 import jax.numpy as jnp
 
 from . import _backend as B
-from . import addressing as addr
 from . import numerics as nm
 from . import topk as tk
-from .paged_logits import check_geometry, load_query_block, rows_per_block, score_pages
+from .paged_logits import (cache_views, check_geometry, key_source, load_query_block, rows_per_block,
+                           score_pages)
 from .strides import CacheStrides
 
 MAX_ROWS_PER_CALL = 8192
 
 
-def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, res_ref, kbuf, ibuf, *,
+def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
             s: CacheStrides, g: tk.Geometry, n: int, hp: int, max_pages: int, row_blocks: int,
-            splits: int, split_pages: int, final: bool, interpret: bool):
+            splits: int, split_pages: int, final: bool, interpret: bool, byte_view: bool):
     # ctx_ref: [B*n] i32; table_ref: [B, max_pages] i32; q_ref: [B*n*Hp, 128] e4m3fn;
-    # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32;
+    # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32; (bytes_ref: [rows, 4096] u8 if byte_view);
     # res_ref: [B*n, k] i32 (final) or [n_buf] i32 counts; kbuf/ibuf: [n_buf, CAP] u32/i32
+    bytes_ref, res_ref, kbuf, ibuf = refs if byte_view else (None,) + refs
     b, rb, sp = B.program_id(0), B.program_id(1), B.program_id(2)
     bn, p = g.bn, s.page_rows
     rows = tk.Rows(b, rb, n=n, bn=bn, row_blocks=row_blocks)
@@ -63,7 +64,7 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, res_ref, kbuf, ibuf, *,
     brow = rows.padded * splits + sp
 
     def produce(c, active):
-        lg, pools, live = score_pages(cache_ref, table_ref, s, qb, b, lo + c, active, n_pages=1,
+        lg, pools, live = score_pages(cache_ref, bytes_ref, table_ref, s, qb, b, lo + c, active, n_pages=1,
                                       bn=bn, hp=hp, max_pages=max_pages)          # [BN, P]
         ids = pools[None, :] + 0 * live.astype(jnp.int32)
         return tk.order_key(lg), ids, live & active & rows.ok[:, None]
@@ -86,15 +87,17 @@ def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, int
     res = (jax.ShapeDtypeStruct((b * n, k), jnp.int32) if final
            else jax.ShapeDtypeStruct((n_buf,), jnp.int32))
     interpret = B.resolve_interpret(interpret)
-    view = cache.reshape(addr.view_shape(s))
+    byte_view = key_source(s)
     out, kbuf, ibuf = B.pallas_call(
         functools.partial(_kernel, s=s, g=g, n=n, hp=hp, max_pages=max_pages, row_blocks=row_blocks,
-                          splits=sp, split_pages=split_pages, final=final, interpret=interpret),
+                          splits=sp, split_pages=split_pages, final=final, interpret=interpret,
+                          byte_view=byte_view),
         grid=(b, row_blocks, sp),
         out_shape=(res,) + tk.buffer_shapes(g, n_buf),
         input_output_aliases={}, interpret=interpret, name="kpool_paged_topk", num_warps=4,
     )(context_pools.astype(jnp.int32).reshape(b * n), page_table_pages.astype(jnp.int32),
-      q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp), view)
+      q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp),
+      *cache_views(cache, s, byte_view))
     if not final:
         out = tk.merge_candidates(out, kbuf, ibuf, k, b=b, n=n, bn=bn, in_splits=sp,
                                   interpret=interpret)

@@ -59,6 +59,51 @@ def test_large_cache_writes_past_2gib(rng, gib):
     assert int(jnp.sum(out["pallas"][lo:] != jnp.uint32(0x5A5A5A5A))) > 0
 
 
+@pytest.mark.parametrize("gib", [3, 5])
+def test_large_cache_reads_past_2gib(rng, gib):
+    """The read kernels on the last pages of a `gib` GiB cache (keys past byte 2**31;
+    past 2**32 at 5 GiB): paged_logits == the XLA reference, and the fused logits ->
+    top-k == top-k of those logits. At 3 GiB the keys come through the word view (a
+    byte view faults past byte 2**31 there), at 5 GiB through the byte view."""
+    from pallas_kernels import addressing as addr
+    from pallas_kernels.paged_logits import key_source
+    from pallas_kernels.paged_topk import paged_topk
+    from test_read_path import fp8_bytes, random_queries
+    cfg = IndexerConfig()
+    blocks = 4096
+    layers = -(-gib * 2**30 // (blocks * cfg.index_block_bytes))
+    layout = CacheLayout(cfg, num_layers=layers, num_blocks=blocks)
+    layer = layers - 1
+    s = layout.strides(layer)
+    assert key_source(s) == (gib == 5)
+    p, n_pages = s.page_rows, addr.num_pages(s)
+    pages = np.arange(n_pages - 8, n_pages, dtype=np.int64)                   # the layer's last 8 pages
+    page_r, row_r = np.repeat(pages, p), np.tile(np.arange(p), pages.size)
+    kw = addr.global_word(s, addr.page_key_words(s, page_r, row_r))[:, None] + np.arange(addr.KEY_WORDS)
+    sw = addr.global_word(s, addr.page_scale_words(s, page_r, row_r))
+    assert kw.min() * 4 >= 2**31 and (gib < 5 or kw.max() * 4 >= 2**32)
+    keys = fp8_bytes(rng, (page_r.size, 128)).view(np.uint32).reshape(-1)
+    scales = (np.exp2(rng.integers(-12, -4, page_r.size)) * rng.uniform(1, 2, page_r.size)).astype(np.float32)
+    r, c = addr.view_row_col(np.concatenate([kw.reshape(-1), sw]))
+    view = layout.allocate(0x3C).reshape(addr.view_shape(s))
+    view = view.at[jnp.asarray(r, jnp.int32), jnp.asarray(c, jnp.int32)].set(
+        jnp.asarray(np.concatenate([keys, scales.view(np.uint32)])))
+    cache = view.reshape(-1)
+    del view
+    q8, wf = random_queries(rng, 2, 2, 32)
+    table = jnp.asarray(pages.reshape(2, 4).astype(np.int32))
+    ctx = jnp.asarray([[4 * p, 3 * p + 5], [2 * p - 1, 4 * p]], jnp.int32)
+    a = np.asarray(ops.paged_logits(cache, layout, layer, q8, wf, table, ctx, implementation="pallas"))
+    want = np.asarray(ops.paged_logits(cache, layout, layer, q8, wf, table, ctx, implementation="xla"))
+    np.testing.assert_array_equal(np.isneginf(a), np.isneginf(want))
+    fin = np.isfinite(want)
+    assert fin.sum() == int(np.asarray(ctx).sum())
+    np.testing.assert_allclose(a[fin], want[fin], rtol=1e-5, atol=1e-5 * np.abs(want[fin]).max())
+    got = np.asarray(paged_topk(cache, s, q8, wf, table, ctx, 16))
+    np.testing.assert_array_equal(got.reshape(4, 16),
+                                  np.asarray(ref.topk_pools(jnp.asarray(a.reshape(4, -1)), ctx.reshape(-1), 16)))
+
+
 def test_out_of_range_slots_never_write(rng):
     """Slots past the last block (spec B8) and padding write nothing, compiled."""
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)

@@ -184,14 +184,17 @@ def test_prepare_queries_pallas_matches_xla(rng):
 # paged logits
 # ---------------------------------------------------------------------------------
 LOGIT_CASES = [
-    pytest.param(dict(block_size=1152, next_n=1, heads=32), id="P32-n1-H32"),
-    pytest.param(dict(block_size=512, next_n=4, heads=64), id="P64-n4-H64"),
+    pytest.param(dict(block_size=1152, next_n=1, heads=32, attn=0), id="P32-n1-H32"),
+    pytest.param(dict(block_size=512, next_n=4, heads=64, attn=0), id="P64-n4-H64"),
+    # attention blocks of 4 bytes put layer 1's base 8 bytes off a 16-byte boundary:
+    # keys must then come through the word view
+    pytest.param(dict(block_size=512, next_n=2, heads=32, attn=4), id="P64-n2-H32-unaligned"),
 ]
 
 
-@pytest.mark.parametrize("case", LOGIT_CASES)
-def test_paged_logits_pallas_matches_reference(rng, case):
-    layout = CacheLayout(IndexerConfig(block_size=case["block_size"]), num_layers=2, num_blocks=6)
+def logits_case(rng, case):
+    layout = CacheLayout(IndexerConfig(block_size=case["block_size"]), num_layers=2, num_blocks=5,
+                         attn_block_bytes=case["attn"])
     cache = random_cache(rng, layout, layer=1)
     s = layout.strides(1)
     b, n, max_pages = 3, case["next_n"], 5
@@ -202,15 +205,55 @@ def test_paged_logits_pallas_matches_reference(rng, case):
     ctx[1, -1] = 0                                               # a padding row
     table[2, -1] = 10**6                                         # never read: past request 2's context
     ctx[2] = np.minimum(ctx[2], (max_pages - 1) * s.page_rows)
-    args = (cache, layout, 1, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
-    a = np.asarray(ops.paged_logits(*args, implementation="pallas"))
-    want = np.asarray(ops.paged_logits(*args, implementation="xla"))
-    assert a.shape == (b, n, max_pages * s.page_rows)
+    return layout, s, (cache, layout, 1, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
+
+
+def assert_logits_match(a, want, ctx):
     np.testing.assert_array_equal(np.isneginf(a), np.isneginf(want))
     m = np.arange(a.shape[-1])
     np.testing.assert_array_equal(np.isneginf(want), m[None, None, :] >= ctx[..., None])
     fin = np.isfinite(want)
     np.testing.assert_allclose(a[fin], want[fin], rtol=LOGIT_RTOL, atol=LOGIT_RTOL * np.abs(want[fin]).max())
+
+
+@pytest.mark.parametrize("case", LOGIT_CASES)
+def test_paged_logits_pallas_matches_reference(rng, case):
+    layout, s, args = logits_case(rng, case)
+    a = np.asarray(ops.paged_logits(*args, implementation="pallas"))
+    want = np.asarray(ops.paged_logits(*args, implementation="xla"))
+    assert a.shape == want.shape == (3, case["next_n"], 5 * s.page_rows)
+    assert_logits_match(a, want, np.asarray(args[-1]))
+
+
+@pytest.mark.parametrize("case", LOGIT_CASES)
+def test_paged_logits_key_sources(rng, case):
+    """Keys through the byte view (the default where safe) and through the word view
+    give the same logits; the byte view is refused where key rows are not 16-byte
+    aligned, and the default then falls back to the words."""
+    from pallas_kernels.paged_logits import Tuning, key_source, paged_logits
+    layout, s, (cache, _, _, q8, wf, table, ctx) = logits_case(rng, case)
+    aligned = case["attn"] == 0
+    assert key_source(s) == aligned
+    out = {}
+    for bv in (True, False):
+        if bv and not aligned:
+            with pytest.raises(ValueError, match="byte view"):
+                paged_logits(cache, s, q8, wf, table, ctx, tune=Tuning(byte_view=True))
+            continue
+        out[bv] = np.asarray(paged_logits(cache, s, q8, wf, table, ctx, tune=Tuning(byte_view=bv)))
+    want = np.asarray(ops.paged_logits(cache, layout, 1, q8, wf, table, ctx, implementation="xla"))
+    for a in out.values():
+        assert_logits_match(a, want, np.asarray(ctx))
+    if aligned:
+        assert_logits_match(out[True], out[False], np.asarray(ctx))
+
+
+def test_byte_view_offset_rule():
+    """The byte view is used only where the backend indexes every byte correctly:
+    at most 2 GiB, or more than 4 GiB (64-bit offsets)."""
+    from pallas_kernels import _backend
+    assert _backend.narrow_offsets_safe(2**31) and _backend.narrow_offsets_safe(2**32 + 4096)
+    assert not _backend.narrow_offsets_safe(2**31 + 4096) and not _backend.narrow_offsets_safe(2**32)
 
 
 def test_paged_logits_rejects_bad_page_tables(rng):

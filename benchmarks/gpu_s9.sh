@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 9's device call for the read path (the byte view), one H200:
+#   1. the read-path tests compiled, with the 3 and 5 GiB read tests of test_gpu.py;
+#   2. probe_logits.py at 4 query rows per request (the 128-row dot of prefill programs);
+#   3. bench_read.py: decode B = 64 x 128k (fused, unfused, XLA, the parts), the
+#      paged_logits launch-shape sweep, prefill of one 32k request.
+# PART=tests|probe|bench runs one part. Logs under $OUT.
+#   device tool: bash benchmarks/gpu_s9.sh   (carry .vectors)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+[ -d .vectors ] && export GLM5_VECTORS=$PWD/.vectors
+PART=${PART:-all}
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
+  timeout "${T_S:-240}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py \
+    tests/test_bench_harness.py "tests/test_gpu.py::test_large_cache_reads_past_2gib" > "$OUT/pytest_read.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_read.log"
+  grep -E "passed|failed|FAILED|ERROR|rc=" "$OUT/pytest_read.log" | tail -12
+fi
+if [ "$PART" = all ] || [ "$PART" = probe ]; then
+  timeout "${P_S:-120}" python3 benchmarks/probe_logits.py --rows 4 --context 32768 \
+    --variants "${VARIANTS:-8:1:4:w,4:1:2:b,4:1:4:b,8:1:4:b,4:1:8:b,8:1:8:b}" > "$OUT/probe_rows4.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_rows4.txt"; grep -v "^W\|^I0\|^check" "$OUT/probe_rows4.txt"
+fi
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
+  timeout "${B_S:-300}" python3 benchmarks/bench_read.py ${READ_ARGS:---batches 64 --contexts 131072 \
+    --prefills 32768 --skip-topk --sweep --sweep-only logits} --json "$OUT/bench_read.json" > "$OUT/bench_read.txt" 2>&1
+  echo "rc=$?" >> "$OUT/bench_read.txt"
+  grep -v "^W\|^I0" "$OUT/bench_read.txt" | tail -30
+fi
