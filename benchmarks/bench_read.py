@@ -256,6 +256,7 @@ def topk_label(t) -> str:
     if t.mode == "filter":
         return (f"filter bpk={t.buckets_per_k} cap={t.filter_cap or 'auto'} sel={t.select_ti}x{t.select_tj} "
                 f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.filter_warps}/{t.row_warps}/{t.select_warps} "
+
                 f"st={t.select_stages}")
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 
@@ -319,6 +320,8 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+",
                     help="decode contexts in tokens (default 32768 131072 1048576)")
     ap.add_argument("--prefills", type=int, nargs="+", help="prefill lengths in tokens (default 32768 131072)")
+    ap.add_argument("--topk-cols", type=int, default=131072,
+                    help="columns of the top-k micro-benchmark and its sweep (rows 64, k = 512)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the launch shapes of the logits and top-k kernels (B=64 x 128k)")
     a = ap.parse_args(argv)
@@ -332,7 +335,7 @@ def main(argv=None):
         cfg = IndexerConfig()
         decode = [(b, c) for c in (a.contexts or (32768, 131072, 1048576)) for b in (a.batches or (1, 16, 64))]
         prefill = list(a.prefills or (32768, 131072))
-        topk_case = (64, 131072, 512)
+        topk_case = (64, a.topk_cols, 512)
         reps, trials = 10, 5
     bw = copy_bandwidth(1 << 24 if a.quick else 1 << 30)
     rows = []

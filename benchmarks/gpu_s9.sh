@@ -4,7 +4,7 @@
 #   2. probe_logits.py at 4 query rows per request (the 128-row dot of prefill programs);
 #   3. bench_read.py: decode B = 64 x 128k (fused, unfused, XLA, the parts), the
 #      paged_logits launch-shape sweep, prefill of one 32k request.
-# PART=tests|probe|bench runs one part. Logs under $OUT.
+# PART=tests|probe|bench runs one part; PART=topk (not in "all") the top-k tests, benchmarks and ncu. Logs under $OUT.
 #   device tool: bash benchmarks/gpu_s9.sh   (carry .vectors)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,4 +28,15 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
     --prefills 32768 --skip-topk --sweep --sweep-only logits} --json "$OUT/bench_read.json" > "$OUT/bench_read.txt" 2>&1
   echo "rc=$?" >> "$OUT/bench_read.txt"
   grep -v "^W\|^I0" "$OUT/bench_read.txt" | tail -30
+fi
+if [ "$PART" = topk ]; then   # the top-k: tests, then [64, 131072] and [64, 32768] with their sweeps, ncu at 32768
+  timeout "${T_S:-200}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py -k "topk or select" \
+    > "$OUT/pytest_topk.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_topk.log"; grep -E "passed|failed|FAILED|ERROR|rc=" "$OUT/pytest_topk.log" | tail -6
+  for cols in 131072 32768; do
+    timeout 200 python3 benchmarks/bench_read.py --skip-prefill --batches 64 --contexts 131072 --topk-cols $cols \
+      --sweep --sweep-only topk $( [ $cols = 32768 ] && echo --skip-decode ) > "$OUT/bench_topk_$cols.txt" 2>&1
+    echo "rc=$?" >> "$OUT/bench_topk_$cols.txt"; grep -E "^(decode|topk|parts|sweep)|rc=" "$OUT/bench_topk_$cols.txt"
+  done
+  SHAPES=64:32768:512 bash benchmarks/gpu_ncu_topk.sh
 fi

@@ -52,14 +52,16 @@ def _report(r, what):
     return f"{what}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("impl, devices", [("xla", 2), ("pallas", 2), ("xla", 4)])
+# 2 devices only: the 4-device cases (~55 s of CI's 15-minute budget) passed every
+# CI run from sessions 4 to 8 and add no code path the 2-device ones miss
+@pytest.mark.parametrize("impl, devices", [("xla", 2), ("pallas", 2)])
 def test_sharded_writes_equal_single_device(rng, impl, devices):
     seed = int(rng.integers(0, 2**31))
     r = _run("sharded_writes.py", devices, impl, seed)
     assert r.returncode == 0 and f"OK {devices}" in r.stdout, _report(r, f"seed {seed}")
 
 
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [2])
 def test_sharded_engine_equals_one_device_per_shard(rng, devices):
     seed = int(rng.integers(0, 2**31))
     r = _run("sharded_engine.py", devices, seed, devices)
