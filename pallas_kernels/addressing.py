@@ -14,9 +14,6 @@ layer base and splits the global word address into (row, col) of the
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
-from jax import lax
-
 from .strides import (CacheStrides, KEY_BYTES, TAIL_ROW_BYTES, VIEW_COL_BITS, VIEW_COLS,
                       WORD_BYTES)
 
@@ -145,6 +142,8 @@ def page_key_bytes(s: CacheStrides, page, row):
     inside one view row (4 VIEW_COLS is a multiple of 16), and its column is
     written as 16 * (word col // 4) + t, the same value spelled so that Triton can
     prove the group 16-byte aligned and load it with one 128-bit access."""
+    import jax.numpy as jnp                     # kernels only: the layout CLI must not import jax
+    from jax import lax
     start = page_key_words(s, page, row)                                           # [N]
     n, g = start.shape[0], KEY_WORDS // 4
     r, c = split_word(s, start[:, None] + 4 * lax.broadcasted_iota(jnp.int32, (n, g), 1))   # [N, 8]
