@@ -25,22 +25,4 @@ smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio
 NCUB=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 timeout "${N_S:-240}" "$NCUB" --profile-from-start off --cache-control none --clock-control none --metrics "$M" --csv \
   env PYTHONPATH=$PWD python3 benchmarks/probe_logits.py --profile $V > "$OUT/ncu_logits.csv" 2> "$OUT/ncu_logits.err"
-python3 - "$OUT/ncu_logits.csv" <<'PY'
-import csv, sys, collections
-rows = list(csv.reader(open(sys.argv[1])))
-rows = rows[next((i for i, r in enumerate(rows) if r[:1] == ["ID"]), len(rows)):]
-if not rows:
-    sys.exit("ncu wrote no kernel rows")
-hdr = rows[0]; ii = hdr.index("ID"); ki = hdr.index("Kernel Name"); mi = hdr.index("Metric Name"); vi = hdr.index("Metric Value")
-by = collections.OrderedDict()
-for r in rows[1:]:
-    if "logits" in r[ki]:
-        by.setdefault(r[ii], {})[r[mi]] = r[vi]
-names = list(next(iter(by.values())).keys()) if by else []
-short = [n.replace("smsp__average_warps_issue_stalled_", "stall_").replace("_per_issue_active.ratio", "")
-         .replace(".avg.pct_of_peak_sustained_active", "%").replace(".avg.pct_of_peak_sustained_elapsed", "%")
-         .replace("l1tex__t_", "").replace("_pipe_lsu_mem_global_op_ld.sum", "_ld") for n in names]
-print("kernel#  " + "  ".join(short))
-for i, m in by.items():
-    print(f"{i:<8} " + "  ".join(str(m[n]) for n in names))
-PY
+python3 benchmarks/_ncu_table.py "$OUT/ncu_logits.csv" logits

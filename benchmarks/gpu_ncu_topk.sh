@@ -10,17 +10,5 @@ NCUB=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 for shape in ${SHAPES:-64:32768:512}; do shape=${shape//:/ }
   timeout 150 "$NCUB" --profile-from-start off --cache-control none --clock-control none --metrics "$M" --csv \
     env PYTHONPATH=$PWD python3 benchmarks/profile_topk.py $shape > "$OUT/ncu_topk_${shape// /_}.csv" 2> "$OUT/err.txt"
-  python3 - "$OUT/ncu_topk_${shape// /_}.csv" <<'PY'
-import csv, sys, collections
-rows = list(csv.reader(open(sys.argv[1])))
-rows = rows[next((i for i, r in enumerate(rows) if r[:1] == ["ID"]), len(rows)):]
-hdr = rows[0]; ii = hdr.index("ID"); ki = hdr.index("Kernel Name"); mi = hdr.index("Metric Name"); vi = hdr.index("Metric Value")
-by = collections.OrderedDict()
-for r in rows[1:]:
-    by.setdefault((r[ii], r[ki][:40]), {})[r[mi].split("__")[1][:28]] = r[vi]
-names = list(next(iter(by.values())).keys())
-print(sys.argv[1].split("/")[-1]); print(f"{'kernel':<44}" + "".join(f"{n[:16]:>18}" for n in names))
-for (i, k), m in by.items():
-    print(f"{i:>3} {k:<40}" + "".join(f"{m[n]:>18}" for n in names))
-PY
+  python3 benchmarks/_ncu_table.py "$OUT/ncu_topk_${shape// /_}.csv"
 done

@@ -14,7 +14,7 @@ from glm5_jax import ops, reference as ref
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
-from write_cases import assert_pools_golden, assert_updates_in_place, many_pools_case, write_ops
+from write_cases import assert_pools_golden, assert_updates_in_place, large_layout, many_pools_case, write_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -28,11 +28,8 @@ def test_in_place_no_copy(rng, op):
 @pytest.mark.parametrize("gib", [3, 5])
 def test_large_cache_writes_past_2gib(rng, gib):
     """A cache of `gib` GiB whose last layer starts past byte 2**31: pallas == reference."""
-    cfg = IndexerConfig()
     blocks = 4096
-    layers = -(-gib * 2**30 // (blocks * cfg.index_block_bytes))
-    layout = CacheLayout(cfg, num_layers=layers, num_blocks=blocks)
-    layer = layers - 1
+    layout, layer = large_layout(gib, blocks)
     assert layout.index_base_bytes(layer) >= 2**31
     sc = Scenario.random(rng, layout, [2000, 999, 5], layer=layer)
     # put one request in the very last blocks
@@ -69,11 +66,8 @@ def test_large_cache_reads_past_2gib(rng, gib):
     from pallas_kernels.paged_logits import key_source
     from pallas_kernels.paged_topk import paged_topk
     from test_read_path import fp8_bytes, random_queries
-    cfg = IndexerConfig()
     blocks = 4096
-    layers = -(-gib * 2**30 // (blocks * cfg.index_block_bytes))
-    layout = CacheLayout(cfg, num_layers=layers, num_blocks=blocks)
-    layer = layers - 1
+    layout, layer = large_layout(gib, blocks)
     s = layout.strides(layer)
     assert key_source(s) == (gib == 5)
     p, n_pages = s.page_rows, addr.num_pages(s)

@@ -25,7 +25,7 @@ from glm5_jax.testing import Scenario
 from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
 from pallas_kernels.triton_lang import _call
 from write_cases import (CASES, SENTINEL, as_bytes, assert_pools_golden, assert_same_snapshots,
-                         assert_updates_in_place, check_padded_stride, many_pools_case, ops_writers,
+                         assert_updates_in_place, check_padded_stride, large_layout, many_pools_case, ops_writers,
                          random_workload, request_ends_case, run_writes, tile_case, write_ops)
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -160,11 +160,8 @@ def test_triton_large_cache(rng, gib):
     word 2**31 (9 GiB: the int64 word index): triton == reference, and the writes
     land in the request's last blocks."""
     _require_triton()
-    cfg = IndexerConfig()
     blocks = 4096
-    layers = -(-gib * 2**30 // (blocks * cfg.index_block_bytes))
-    layout = CacheLayout(cfg, num_layers=layers, num_blocks=blocks)
-    layer = layers - 1
+    layout, layer = large_layout(gib, blocks)
     base_bytes = layout.index_base_bytes(layer)
     assert base_bytes >= 2**31 and (gib < 9 or base_bytes // 4 >= 2**31)
     sc = Scenario.random(rng, layout, [2000, 999, 5], layer=layer)

@@ -212,3 +212,12 @@ def assert_pools_golden(cache, layout, sc, what: str):
         bad += int(((keys[slots] != gk).any(1) | (scales[slots] != gs.view(np.uint32))).sum())
         total += gk.shape[0]
     assert total > 0 and bad == 0, f"{what}: {bad} of {total} pools differ from the golden model"
+
+
+def large_layout(gib: int, blocks: int = 4096):
+    """(layout, last layer) of a cache of at least `gib` GiB: default indexer blocks,
+    as many layers as it takes, so the last layer lies past byte 2**31 (and past
+    2**32 from 5 GiB)."""
+    cfg = IndexerConfig()
+    layers = -(-gib * 2**30 // (blocks * cfg.index_block_bytes))
+    return CacheLayout(cfg, num_layers=layers, num_blocks=blocks), layers - 1
