@@ -174,3 +174,30 @@ def test_attention_and_norm_kernels_compiled_equal_the_chains(rng, monkeypatch):
     want = np.asarray(jax.jit(inv.sum_sq_last)(x)).view(np.uint32)
     got = np.asarray(ordered_sumsq(x)).view(np.uint32)
     assert (got != want).sum() == 0, f"sum of squares: {(got != want).sum()} of {want.size} words differ"
+
+
+def test_byte_view_adds_no_copy_of_the_cache(rng):
+    """paged_logits reads keys through a u8 byte view of the u32 cache (an XLA
+    bitcast): compiled, the program holds no buffer the size of the cache besides
+    the cache itself (a materialised view would be a 288 MB copy per call at
+    decode), and the byte view really is the path taken."""
+    from pallas_kernels.paged_logits import key_source, paged_logits
+    from test_read_path import random_queries
+    layout = CacheLayout(IndexerConfig(), num_layers=2, num_blocks=2048)
+    s = layout.strides(1)
+    assert key_source(s)
+    cache = layout.allocate(0x11)
+    q8, wf = random_queries(rng, 4, 1, 32)
+    table = jnp.asarray(rng.integers(0, 64, (4, 16)), jnp.int32)
+    ctx = jnp.full((4, 1), 16 * s.page_rows, jnp.int32)
+    f = jax.jit(functools.partial(paged_logits, s=s))
+    compiled = f.lower(cache, q8=q8, weights=wf, page_table_pages=table, context_pools=ctx).compile()
+    text = compiled.as_text()
+    assert "triton" in text
+    mem = compiled.memory_analysis()
+    cache_bytes = cache.size * 4
+    assert mem.temp_size_in_bytes < cache_bytes // 4, (mem.temp_size_in_bytes, cache_bytes)
+    assert mem.output_size_in_bytes < cache_bytes // 4
+    n_u8 = [ln for ln in text.splitlines() if " = u8[" in ln and "bitcast" not in ln and "parameter" not in ln]
+    assert n_u8 == [], n_u8
+
