@@ -46,6 +46,9 @@ from .strides import CacheStrides
 PAGES_PER_STEP = 4          # page-table columns gathered at once (defaults of Tuning:
 STEPS = 1                   # the fastest shape of session 9's H200 probe with the byte view,
 NUM_WARPS = 4               # benchmarks/probe_logits.py; bench_read --sweep)
+SMALL_DOT_ROWS = 32         # up to this many dot rows (decode, one query row of 32 heads): 2 warps
+SMALL_DOT_WARPS = 2         # (ncu at B = 64 x 128k: 104-108 us against 111-122 us at 4 warps,
+                            # sessions 9 and 10; at 128 rows 2 warps took 2.2x longer)
 MAX_DOT_ROWS = 128          # BN * Hp: query rows per program times padded heads
 
 
@@ -234,15 +237,24 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
 class Tuning:
     """Launch shape of the logits kernel: a program walks `steps` steps of
     `pages_per_step` page-table columns each (all pages of a step are gathered at
-    once). Chosen by ``benchmarks/bench_read.py --sweep`` on the H200."""
+    once). Chosen by ``benchmarks/bench_read.py --sweep`` on the H200. num_warps
+    None: by the dot's rows (``warps_for``)."""
     pages_per_step: int = PAGES_PER_STEP
     steps: int = STEPS
-    num_warps: int = NUM_WARPS
+    num_warps: int | None = None
     byte_view: bool | None = None       # keys through the byte view: None = wherever safe (key_source)
 
     def __post_init__(self):
-        if self.pages_per_step not in (1, 2, 4, 8, 16) or self.steps < 1 or self.num_warps not in (1, 2, 4, 8):
+        if (self.pages_per_step not in (1, 2, 4, 8, 16) or self.steps < 1
+                or self.num_warps not in (None, 1, 2, 4, 8)):
             raise ValueError(f"bad paged_logits tuning {self}")
+
+    def warps_for(self, dot_rows: int) -> int:
+        """Warps of a program whose dot has `dot_rows` rows (BN * Hp): num_warps if set,
+        else SMALL_DOT_WARPS up to SMALL_DOT_ROWS rows, NUM_WARPS above."""
+        if self.num_warps is not None:
+            return self.num_warps
+        return SMALL_DOT_WARPS if dot_rows <= SMALL_DOT_ROWS else NUM_WARPS
 
 
 @functools.partial(jax.jit, static_argnames=("s", "interpret", "tune"))
@@ -265,7 +277,7 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
         grid=(b, -(-n // bn), -(-max_pages // per_program)),
         out_shape=jax.ShapeDtypeStruct((b * n, m), jnp.float32),
         input_output_aliases={},
-        interpret=interpret, name="kpool_paged_logits", num_warps=tune.num_warps,
+        interpret=interpret, name="kpool_paged_logits", num_warps=tune.warps_for(bn * hp),
     )(context_pools.astype(jnp.int32).reshape(b * n), page_table_pages.astype(jnp.int32),
       q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp),
       *cache_views(cache, s, byte_view))

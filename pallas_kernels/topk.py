@@ -33,16 +33,16 @@ Grid: scores: (1, ceil(rows / BN), splits); candidates (merge): (B, ceil(n / BN)
 Buffer row of padded row p (of B * ceil(n / BN) * BN) in split s: p * splits + s.
 
 ``topk_pools`` runs this streaming path in mode "stream" (``Tuning.mode``).
-Mode "filter" (the default) runs four lean kernels instead, each in its own file:
+Mode "filter" (the default) runs five lean kernels instead, each in its own file:
 ``topk_maxima`` (the row's run maxima), ``topk_floor`` (the key floor of
 ``bucket_floor``, by a radix k-th search of the maxima in place of an XLA sort,
 and the list of runs whose maximum reaches it; it also zeroes the filter's
 counters), ``topk_filter`` (reads only those runs, ~an eighth of the row: each
 program reserves room in its row's candidate list with one atomic add and writes
 its keys >= floor there; a count > CAP means overflow) and ``topk_select`` (each
-candidate ranked against the row's others, ids by rank; a row whose list
-overflowed runs this streaming path, with the same floor, inside the select
-kernel).
+candidate ranked against the row's others, ids by rank), then ``topk_fallback``
+(a row whose list overflowed runs this streaming path, with the same floor; the
+other rows return at once).
 """
 from __future__ import annotations
 
@@ -432,7 +432,7 @@ class Tuning:
     mode: "stream" (the streaming filter + merge) or "filter" (Pallas run maxima and
     floor, a filter pass over the runs that reach the floor into a per-row candidate
     list, a select that ranks the candidates pairwise; a row whose list overflowed
-    takes the streaming path inside the select kernel). filter_cap: slots of a
+    takes the streaming path in a launch of its own). filter_cap: slots of a
     row's candidate list (0 = auto, ``filter_cap``); filter_warps: warps of the
     filter kernel; select_ti / select_tj: candidates a select program ranks /
     compares them with per step; select_warps / select_stages: its warps and Triton
@@ -548,8 +548,8 @@ def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tu
     if tune.mode == "filter":
         # Exact: a row whose list did not overflow holds every valid key >= floor (and at
         # least k valid keys are >= floor, or the floor is 0 and the list holds every
-        # valid key); the select kernel runs the exact streaming path (same floor) on a
-        # row whose list overflowed. No host round trip, no second launch.
+        # valid key); the fallback kernel after the select runs the exact streaming path
+        # (same floor) on a row whose list overflowed. No host round trip.
         from . import topk_select
         floor, cnt, keys, ids, _ = _filter_lists(scores, lengths, k, interpret, tune)
         return topk_select.select_candidates(scores, lengths, floor, cnt, keys, ids, k, ti=tune.select_ti,

@@ -20,14 +20,16 @@ those of its slots that are >= n and < k. Programs whose slots are all past n re
 search, no scratch, no barrier: n * n comparisons per row spread over
 ceil(n / TI) programs (~600 x 600 at [64, 131072], k = 512; at most CAP x CAP).
 
-When the row's count exceeds CAP (the list overflowed: skewed or tied rows),
-program (r, 0) instead runs the exact streaming path (``topk.stream`` over the
-row's scores with the same floor, then ``topk.emit_sorted``) and the row's other
-programs do nothing: no host round trip, no second launch.
+A row whose count exceeds CAP (the list overflowed: skewed or tied rows) is
+left alone here: ``select_candidates`` then launches ``topk_fallback``, which
+runs the exact streaming path on exactly those rows, in place in the same ids
+array (no host round trip; the second launch does nothing but read the counts
+when no row overflowed). The streaming path is kept out of this kernel because
+Triton sizes a kernel's registers for its largest path: with it inside, the select
+took 255 registers and ran at 12 % warps active (ncu, session 10).
 
-Reads ONLY its inputs; writes ONLY its outputs: ids [rows, k] i32 and the
-streaming path's buffers [rows, CAP_S] u32 / i32 (row r private to program
-(r, 0)). Masked-out lanes touch no memory.
+Reads ONLY its inputs; writes ONLY its output: ids [rows, k] i32, the rows
+whose list did not overflow. Masked-out lanes touch no memory.
 
 Grid: (rows, max(CAP, KP) / TI), KP = k rounded up to a power of two.
 """
@@ -41,15 +43,11 @@ from jax import lax
 
 from . import _backend as B
 from . import topk as tk
+from . import topk_fallback
 
-FALLBACK_CHUNK = 2048   # scores per step of the streaming path on an overflowed row
 
-
-def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, out_ref, kb_ref, ib_ref,
-            *, k: int, cap: int, ti: int, tj: int, gf: tk.Geometry, n_cols: int, interpret: bool):
-    # len_ref [rows] i32, floor_ref [rows] u32, x_ref [rows, n_cols] f32 (read on overflow only)
-    # cnt_ref [rows] i32, kl_ref [rows, CAP] u32, il_ref [rows, CAP] i32
-    # out_ref [rows, k] i32; kb_ref / ib_ref [rows, CAP_S] (streaming path of program (r, 0))
+def _kernel(cnt_ref, kl_ref, il_ref, out_ref, *, k: int, cap: int, ti: int, tj: int):
+    # cnt_ref [rows] i32, kl_ref [rows, CAP] u32, il_ref [rows, CAP] i32 -> out_ref [rows, k] i32
     r, t = B.program_id(0), B.program_id(1)
     row = r + 0 * tk._iota((1,), 0)                                                 # [1]
     count = B.load(cnt_ref.at[row])                                                 # [1]
@@ -87,21 +85,13 @@ def _kernel(len_ref, floor_ref, x_ref, cnt_ref, kl_ref, il_ref, out_ref, kb_ref,
             rank = jnp.sum(acc, axis=1, keepdims=True)                              # [TI, 1], once
             B.scatter(out_ref, orow, jnp.minimum(rank, k - 1), id_i, mine & (rank < k))
 
-    @B.when(over & (t == 0))
-    def _stream():
-        length = jnp.minimum(B.load(len_ref.at[row]), n_cols)                       # [1]
-        hi = jnp.max(length)
-        init = tk.prefilter_state(1, B.load(floor_ref.at[row]))
-        produce = tk.score_producer(gf, x_ref, row, length, 0, hi, n_cols)
-        st = tk.stream(gf, kb_ref, ib_ref, row, (hi + gf.ch - 1) // gf.ch, produce, interpret, init)
-        tk.emit_sorted(gf, kb_ref, ib_ref, row, st[0], out_ref, row, row >= 0, interpret)
-
 
 def select_candidates(scores, lengths, floor, counts, keys, ids, k: int, *, ti: int = 64, tj: int = 64,
                       interpret=None, num_warps: int = 4, num_stages: int = 1):
     """scores [rows, n] f32, lengths [rows] i32, floor [rows] u32 (the filter's), and the
     filter's counts [rows] i32, keys [rows, CAP] u32, ids [rows, CAP] i32 ->
-    [rows, k] i32: best ids by (key desc, id asc), -1 padded."""
+    [rows, k] i32: best ids by (key desc, id asc), -1 padded. Two launches: this
+    kernel, then ``topk_fallback`` on the rows whose list overflowed."""
     rows, n_cols = scores.shape
     cap = keys.shape[1]
     kp = tk.next_pow2(k)
@@ -109,14 +99,12 @@ def select_candidates(scores, lengths, floor, counts, keys, ids, k: int, *, ti: 
         if v < 1 or v & (v - 1):
             raise ValueError(f"select: {name} must be a power of two, got {v}")
     ti = min(ti, max(cap, kp))
-    gf = tk.Geometry(k=k, bn=1, ch=min(FALLBACK_CHUNK, tk.next_pow2(n_cols)))
     interpret = B.resolve_interpret(interpret)
-    kern = functools.partial(_kernel, k=k, cap=cap, ti=ti, tj=tj, gf=gf, n_cols=n_cols, interpret=interpret)
-    out, *_ = B.pallas_call(
+    kern = functools.partial(_kernel, k=k, cap=cap, ti=ti, tj=tj)
+    out = B.pallas_call(
         kern, grid=(rows, max(cap, kp) // ti),
-        out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.int32),) + tk.buffer_shapes(gf, rows),
+        out_shape=jax.ShapeDtypeStruct((rows, k), jnp.int32),
         input_output_aliases={}, interpret=interpret, name="kpool_topk_select", num_warps=num_warps,
         num_stages=num_stages,
-    )(lengths.astype(jnp.int32), floor.astype(jnp.uint32), scores.astype(jnp.float32),
-      counts.astype(jnp.int32), keys.astype(jnp.uint32), ids.astype(jnp.int32))
-    return out
+    )(counts.astype(jnp.int32), keys.astype(jnp.uint32), ids.astype(jnp.int32))
+    return topk_fallback.stream_overflowed(scores, lengths, floor, counts, out, cap=cap, interpret=interpret)
