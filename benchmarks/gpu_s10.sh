@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Session 10's device calls, one H200 (runs 1-2 measured a top-k "tail" mode, since dropped).
-#   PART=tests  the read-path top-k tests compiled + test_gpu.py's byte-view test, then bench
+#   PART=tests  the read-path tests compiled + test_gpu.py's read tests (T_K: -k), then bench
 #   PART=bench  bench_read.py: decode B = 64 x 128k and the top-k [64, 131072] (no sweep)
 #   PART=ncu    Nsight Compute per kernel of the top-k at [64, 131072] and [64, 32768], the
-#               [64, 32768] top-k row, and paged_logits at decode: 4 pages x 4 / x 2 warps, 8 x 4
+#               [64, 32768] top-k row, the kernels of one decode select_tokens (B = 64 x 128k),
+#               and paged_logits at decode: 4 pages x 4 / x 2 warps, 8 x 4 (LOGIT_VARIANTS)
 # Logs under $OUT.   device tool: PART=tests bash benchmarks/gpu_s10.sh   (carry .vectors)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PART=${PART:-tests}
 if [ "$PART" = tests ]; then
   timeout "${T_S:-300}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py \
-    tests/test_gpu.py -k "topk or select or tail or floor or filter or maxima or byte_view or lower" \
+    tests/test_bench_harness.py tests/test_gpu.py -k "${T_K:-not writes and not compress and not slots and not in_place}" \
     > "$OUT/pytest_topk.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_topk.log"; grep -E "passed|failed|FAILED|ERROR|rc=" "$OUT/pytest_topk.log" | tail -12
 fi
@@ -27,5 +28,10 @@ if [ "$PART" = ncu ]; then
   timeout 200 python3 benchmarks/bench_read.py --skip-prefill --skip-decode --topk-cols 32768 \
     > "$OUT/bench_topk_32768.txt" 2>&1
   echo "rc=$?" >> "$OUT/bench_topk_32768.txt"; grep -E "^(topk|sweep)|rc=" "$OUT/bench_topk_32768.txt"
+  M=gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
+  timeout 150 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --profile-from-start off --cache-control none \
+    --clock-control none --metrics "$M" --csv env PYTHONPATH=$PWD python3 benchmarks/profile_decode.py \
+    > "$OUT/ncu_decode.csv" 2> "$OUT/err.txt"
+  python3 benchmarks/_ncu_table.py "$OUT/ncu_decode.csv"
   VARIANTS=${LOGIT_VARIANTS:-4:1:4:b,4:1:2:b,8:1:4:b} P_S=150 N_S=150 bash benchmarks/gpu_logits_probe.sh
 fi

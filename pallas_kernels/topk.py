@@ -125,7 +125,7 @@ def prefilter_state(bn: int, floor):
     return cnt, jnp.where(on, floor - 1, 0).astype(jnp.uint32), on.astype(jnp.int32)
 
 
-def kth_key(key, live, k, radix_bits: int = RADIX_BITS, bits: int = 32):
+def kth_key(key, live, k, radix_bits: int = RADIX_BITS, bits: int = 32, skip_prefix: bool = False):
     """[BN] u32: the k-th largest key among `live` entries of key [BN, C]; 0 if fewer than k.
 
     Radix search from the top bit: at each step keep the largest digit d such
@@ -133,6 +133,14 @@ def kth_key(key, live, k, radix_bits: int = RADIX_BITS, bits: int = 32):
     `radix_bits` bits per step. `k` is static or a traced [BN] i32. With bits < 32
     only the top `bits` bits are searched: the result is the k-th largest key with
     its low 32 - bits bits cleared (at least k live keys are still >= it).
+
+    skip_prefix: first find the bits that every nonzero live key shares (from their
+    minimum and maximum: one reduction each) and search only below them, since the
+    k-th largest shares them too whenever at least k live keys are nonzero (else
+    the result is 0, as without the skip). Same result. On decode logits (positive,
+    a few binades) it skips 3 of the floor's 8 steps (ncu, session 10 run 5: 0.94M
+    instructions where N(0, 1) scores take 1.35M); N(0, 1) maxima straddle 2.0, so
+    they share no bit and nothing is skipped.
     """
     bn = key.shape[0]
     if 32 % radix_bits or bits % radix_bits or not 0 < bits <= 32:
@@ -152,7 +160,25 @@ def kth_key(key, live, k, radix_bits: int = RADIX_BITS, bits: int = 32):
         nd = jnp.sum((c >= kk).astype(jnp.int32), axis=1)                            # [BN]
         return t | (jnp.maximum(nd - 1, 0).astype(jnp.uint32) << shift)
 
-    return lax.fori_loop(0, bits // radix_bits, step, jnp.zeros((bn,), jnp.uint32))
+    n_steps = bits // radix_bits
+    if not skip_prefix:
+        return lax.fori_loop(0, n_steps, step, jnp.zeros((bn,), jnp.uint32))
+    nz = live & (key > 0)
+    lo = jnp.min(jnp.where(nz, key, jnp.uint32(0xFFFFFFFF)), axis=1)                # [BN]
+    hi = jnp.max(jnp.where(nz, key, jnp.uint32(0)), axis=1)
+    enough = jnp.sum(nz.astype(jnp.int32), axis=1) >= k                             # [BN]
+    shared = lax.clz(lax.bitcast_convert_type(lo ^ hi, jnp.int32))                  # [BN] 0..32 bits
+    first = jnp.minimum(jnp.min(shared) // radix_bits, n_steps)                     # scalar: whole steps
+    t0 = hi & _top_bits_mask(first * radix_bits)                                    # <= bits bits
+    return jnp.where(enough, lax.fori_loop(first, n_steps, step, jnp.where(enough, t0, jnp.uint32(0))),
+                     jnp.uint32(0))
+
+
+def _top_bits_mask(n):
+    """u32 mask of the top n bits (traced n in 0..32)."""
+    n = n.astype(jnp.uint32)
+    low = jnp.where(n >= 32, jnp.uint32(0), jnp.uint32(0xFFFFFFFF) >> jnp.minimum(n, 31))   # the other bits
+    return ~low
 
 
 def keep_top_k(key, live, k: int):

@@ -45,7 +45,7 @@ def _kernel(top_ref, floor_ref, cnt_ref, runs_ref, nruns_ref, *, k: int, m: int,
     else:
         live = cols < m
         top = B.gather(top_ref, rows, jnp.minimum(cols, m - 1), mask=live, other=0)
-    floor = tk.kth_key(top, live, k, radix_bits, bits)                              # [1]
+    floor = tk.kth_key(top, live, k, radix_bits, bits, skip_prefix=True)             # [1]
     reach = live & (top >= floor[:, None])                                          # [1, MP]
     ri = reach.astype(jnp.int32)
     B.scatter(runs_ref, rows, jnp.cumsum(ri, axis=1) - ri, cols, reach)

@@ -455,7 +455,7 @@ def test_topk_emit_ranks_only_tiles_with_survivors(rng):
 
 
 @pytest.mark.parametrize("k, n", [(24, 2000), (16, 1024), (16, 100)], ids=["M=96", "M=64", "no-floor"])
-@pytest.mark.parametrize("data", ["random", "ties"])
+@pytest.mark.parametrize("data", ["random", "ties", "narrow"])
 def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
     """The Pallas floor (radix k-th of the run maxima) == the XLA sort floor, bit for bit,
     over all 32 bits and over the top 16 (low bits cleared: lower, still >= k keys);
@@ -464,7 +464,8 @@ def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
     from pallas_kernels import topk_floor
     rows, buckets = 5, 4 * k
     x = (rng.standard_normal((rows, n)) if data == "random"
-         else rng.integers(-3, 4, size=(rows, n))).astype(np.float32)
+         else rng.integers(-3, 4, size=(rows, n)) if data == "ties"
+         else 1.5 + rng.random((rows, n)) * 1e-4).astype(np.float32)   # narrow: maxima share ~18 top bits
     x[1, rng.random(n) < 0.1] = np.nan
     lengths = np.array([n, n // 2, 0, 5, n + 7], np.int32)
     xs, ls = jnp.asarray(x), jnp.asarray(lengths)
@@ -489,6 +490,30 @@ def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
         assert (((keys >= want[:, None]) & live).sum(axis=1) >= np.minimum(k, lengths)).all()
     full = np.asarray(tk.bucket_floor(xs, ls, k, buckets))
     assert (want == full & np.uint32(0xFFFF0000)).all()
+
+
+def test_kth_key_prefix_skip_is_exact(rng):
+    """kth_key's prefix skip (search only below the bits every nonzero live key
+    shares) == the full radix search, as plain jnp: rows whose keys share 0, a few,
+    more than `bits` and all 32 bits, rows with zeros (empty runs), dead lanes, and
+    fewer than k nonzero live keys; static and traced k; 1, 2 and 4-bit steps."""
+    from pallas_kernels import topk as tk
+    rows, c = 8, 256
+    base = rng.integers(0, 2**32, rows, dtype=np.uint64).astype(np.uint32)
+    spread = np.array([32, 4, 10, 20, 0, 31, 2, 16])                        # low bits that vary
+    key = (base[:, None] & ~((np.uint64(1) << spread[:, None].astype(np.uint64)) - 1).astype(np.uint32)) \
+        | (rng.integers(0, 2**32, (rows, c), dtype=np.uint64).astype(np.uint32)
+           & ((np.uint64(1) << spread[:, None].astype(np.uint64)) - 1).astype(np.uint32))
+    key[1, rng.random(c) < 0.3] = 0                                          # empty runs
+    key[2, 5:] = 0                                                          # 5 nonzero keys only
+    live = rng.random((rows, c)) < 0.9
+    key, live = jnp.asarray(key), jnp.asarray(live)
+    for k in (1, 7, 100, jnp.asarray(rng.integers(1, 200, rows), jnp.int32)):
+        for radix, bits in ((1, 32), (2, 32), (2, 16), (4, 12)):
+            want = np.asarray(tk.kth_key(key, live, k, radix, bits))
+            got = np.asarray(tk.kth_key(key, live, k, radix, bits, skip_prefix=True))
+            np.testing.assert_array_equal(got, want, err_msg=f"k={k} radix={radix} bits={bits}")
+    assert np.asarray(tk.kth_key(key, live, 7, 2, 32))[2] == 0
 
 
 @pytest.mark.parametrize("rows, n, m", [(3, 4096, 256), (3, 2000, 96), (4, 1000, 64), (2, 300, 100)],
@@ -777,7 +802,7 @@ def test_select_tokens_vs_golden(rng, mode):
     want_tail = np_expand(np.full((b * n, 1), -1, np.int32), seq, r)[:, r:]
     args = (cache, q8, wf, jnp.asarray(table), jnp.asarray(pos))
     results = {}
-    paths = [("xla", None), ("pallas", "fused")] + ([("pallas", "unfused")] if mode == "prefill" else [])
+    paths = [("xla", None), ("pallas", "fused"), ("pallas", "unfused")]
     for impl, path in paths:
         f = jax.jit(lambda c, q, w, t, p, impl=impl, path=path: ops.select_tokens(
             c, layout, 0, q, w, t, p, short_context=False, implementation=impl, path=path))
