@@ -244,6 +244,19 @@ TOPK_FILTER_SWEEP = [
     dict(select_tj=32, select_warps=8),
 ]
 TOPK_FILTER_QUICK = [dict(), dict(select_ti=16, select_tj=16)]
+# session 10: the select without its fallback path (148 registers instead of 255) may
+# want other tiles and warps; `--topk-sweep select` runs only these
+TOPK_SELECT_SWEEP = [
+    dict(),
+    dict(select_warps=8),
+    dict(select_ti=128, select_tj=32),
+    dict(select_ti=128, select_tj=64, select_warps=8),
+    dict(select_ti=32, select_tj=64),
+    dict(select_ti=32, select_tj=128),
+    dict(select_stages=2),
+    dict(filter_warps=4),
+    dict(row_warps=4),
+]
 
 
 def topk_tuning(v):
@@ -261,7 +274,8 @@ def topk_label(t) -> str:
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 
 
-def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick, which=("logits", "topk")):
+def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick, which=("logits", "topk"),
+                topk_variants=None):
     """Launch shapes of the paged-logits and top-k kernels (those in `which`), each
     checked against the XLA reference before it is timed (a wrong variant is
     reported, not timed)."""
@@ -291,7 +305,8 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick, which=("
     cases = [(f"topk [{r_}, {n_}] k={k_}", x, jnp.full((r_,), n_, jnp.int32), k_)] if "topk" in which else []
     for name, sc, ln, k in cases:
         ref_ids = np.asarray(ops.topk_pools(sc, ln, k, implementation="xla"))
-        variants = (TOPK_SWEEP[:2] + TOPK_FILTER_QUICK) if quick else (TOPK_SWEEP + TOPK_FILTER_SWEEP)
+        variants = topk_variants or ((TOPK_SWEEP[:2] + TOPK_FILTER_QUICK) if quick
+                                     else (TOPK_SWEEP + TOPK_FILTER_SWEEP))
         for v in variants:
             t = topk_tuning(v)
             f = jax.jit(lambda x_, l_, t=t, k=k: tk.topk_pools(x_, l_, k, tune=t))
@@ -322,6 +337,8 @@ def main(argv=None):
     ap.add_argument("--prefills", type=int, nargs="+", help="prefill lengths in tokens (default 32768 131072)")
     ap.add_argument("--topk-cols", type=int, default=131072,
                     help="columns of the top-k micro-benchmark and its sweep (rows 64, k = 512)")
+    ap.add_argument("--topk-sweep", choices=["all", "select"], default="all",
+                    help="with --sweep: every top-k shape, or only TOPK_SELECT_SWEEP (filter mode)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the launch shapes of the logits and top-k kernels (B=64 x 128k)")
     a = ap.parse_args(argv)
@@ -352,7 +369,8 @@ def main(argv=None):
     if a.sweep:
         rows += bench_sweep(cfg, *(decode[0] if a.quick else (64, 131072)), topk_case, reps if a.quick else 50,
                             trials, a.quick,
-                            which=a.sweep_only or ("logits", "topk"))
+                            which=a.sweep_only or ("logits", "topk"),
+                            topk_variants=TOPK_SELECT_SWEEP if a.topk_sweep == "select" else None)
 
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
     print(f"copy bandwidth measured now: {bw / 1e12:.3f} TB/s; decode floor = "

@@ -9,7 +9,8 @@ Every call is compiled and run first; the CUDA profiler is on around one more
 call of each, so ncu sees the kernels of exactly those calls, in order: XLA's
 masked max of the scores (one read, the bandwidth reference), XLA's run maxima
 (the reference of the Pallas ones),
-then the whole ``topk_pools`` (its kernels in launch order).
+then the whole ``topk_pools`` (its kernels in launch order); with --select-sweep
+also at each of ``bench_read.TOPK_SELECT_SWEEP``'s tunings, in that order.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from pallas_kernels import topk as tk  # noqa: E402
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    sweep = "--select-sweep" in argv                  # also topk_pools at bench_read.TOPK_SELECT_SWEEP
+    argv = [a for a in argv if a != "--select-sweep"]
     rows, n, k = (int(a) for a in argv[:3]) if len(argv) >= 3 else (64, 131072, 512)
     x = jax.random.normal(jax.random.PRNGKey(7), (rows, n), jnp.float32)
     lens = jnp.full((rows,), n, jnp.int32)
@@ -34,6 +37,8 @@ def main(argv=None):
     calls = [("xla masked max", jax.jit(lambda x, l: jnp.max(br.masked(x, l), axis=1))),
              ("xla run maxima", jax.jit(lambda x, l: tk.run_maxima(x, l, t.buckets_per_k * k))),
              ("topk_pools", jax.jit(lambda x, l: tk.topk_pools(x, l, k, tune=t)))]
+    for v in (br.TOPK_SELECT_SWEEP[1:] if sweep else []):
+        calls.append((f"topk_pools {v}", jax.jit(lambda x, l, tv=tk.Tuning(**v): tk.topk_pools(x, l, k, tune=tv))))
     for _, f in calls:
         jax.block_until_ready(f(x, lens))
     lib = cudart()

@@ -465,7 +465,9 @@ class Tuning:
     pipeline stages; radix_bits: bits per step of the floor's radix search;
     floor_bits: how many top bits of the floor are searched (the rest cleared: a
     slightly lower floor in fewer steps); row_warps: warps of the floor kernel.
-    Defaults: session 7's H200 sweeps (docs/benchmarks.md)."""
+    Defaults: session 7's H200 sweeps (docs/benchmarks.md); select_ti 32 since
+    session 10 (ncu: select 11.8 / 11.6 us against 13.1 / 12.9 at 64, [64, 131072] /
+    [64, 32768], once the fallback left the select kernel)."""
     score_chunk: int = SCORE_CHUNK
     target_programs: int = TARGET_PROGRAMS
     buckets_per_k: int = 8
@@ -473,7 +475,7 @@ class Tuning:
     mode: str = "filter"
     filter_cap: int = FILTER_CAP
     filter_warps: int = 8
-    select_ti: int = 64
+    select_ti: int = 32
     select_tj: int = 64
     select_warps: int = 4
     select_stages: int = 1

@@ -332,7 +332,7 @@ def test_topk_filter_auto_cap():
 
 
 # filter mode at test sizes: [6, 2048] scores, k = 24 (96 runs of 22 for the floor);
-# "cap-64": 64-slot lists, the default select tiles (one program ranks all 64),
+# "cap-64": 64-slot lists, the default select tiles (two programs rank 32 each),
 # 16-bit floor in 2-bit steps;
 # "cap-128": 128-slot lists, select programs of 16 candidates compared 32 at a time,
 # exact 32-bit floor in 4-bit steps
@@ -516,12 +516,15 @@ def test_kth_key_prefix_skip_is_exact(rng):
     assert np.asarray(tk.kth_key(key, live, 7, 2, 32))[2] == 0
 
 
-@pytest.mark.parametrize("rows, n, m", [(3, 4096, 256), (3, 2000, 96), (4, 1000, 64), (2, 300, 100)],
-                         ids=["exact", "ragged", "runs-16", "runs-3"])
+@pytest.mark.parametrize("rows, n, m", [(3, 4096, 256), (3, 2000, 96), (4, 1000, 64), (2, 300, 100),
+                                        (4, 8200, 1025)],
+                         ids=["exact", "ragged", "runs-16", "runs-3", "whole-runs"])
 def test_topk_maxima_kernel_matches_xla(rng, rows, n, m):
     """The Pallas run maxima == the XLA reduce, bit for bit: NaN (key 1), lengths inside,
-    past and at 0, runs that straddle the row's length, and shapes where the runs do
-    not tile the row (the masked load)."""
+    past and at 0, runs that straddle the row's length, shapes where the runs do
+    not tile the row (the masked load), and runs that tile the row but not the
+    programs (1,025 runs of 8 over 3 programs of 512, as in a decode row of 32,832
+    pools)."""
     from pallas_kernels import topk as tk
     from pallas_kernels import topk_maxima
     x = rng.standard_normal((rows, n)).astype(np.float32)
