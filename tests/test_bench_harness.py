@@ -79,3 +79,17 @@ def test_read_harness_perturbs_only_what_it_is_told(monkeypatch):
     import pytest
     with pytest.raises(ValueError, match="perturb"):
         br.time_read(f, args, reps=2, trials=1, perturb=(0, 2))
+
+
+def test_offline_sass_captures_each_kernel():
+    """benchmarks/offline_sass.py reads each Pallas kernel's Triton IR out of jax's
+    CUDA lowering (on this CPU, through jax internals that may move): one module per
+    kernel of the op, in launch order, with its name and launch parameters."""
+    import offline_sass as osass
+    from pallas_kernels import topk as tk
+    x = jnp.zeros((8, 8192), jnp.float32)
+    got = osass.capture(lambda x, l: tk.topk_pools(x, l, 64, interpret=False), x, jnp.full((8,), 8192, jnp.int32))
+    assert [g[0] for g in got] == ["kpool_topk_maxima", "kpool_topk_floor", "kpool_topk_filter",
+                                   "kpool_topk_select", "kpool_topk_fallback"]
+    assert [g[1] for g in got] == [4, tk.ROW_WARPS, 8, 4, 4]
+    assert all("tt.func" in g[3] for g in got)

@@ -1,0 +1,153 @@
+"""Offline SASS of the Pallas kernels: registers, spills and instruction mix without a GPU.
+
+Usage (any machine; needs a Python with triton 3.6.0, the version on the H200, e.g.
+``python -m venv /tmp/tlvenv && /tmp/tlvenv/bin/pip install triton==3.6.0``):
+  TRITON_PY=/tmp/tlvenv/bin/python python benchmarks/offline_sass.py [case ...] [--out DIR]
+
+Each case lowers one op for CUDA on this machine (jax lowers Pallas calls to Triton
+IR without a GPU, for sm_90 when none is present), captures the Triton IR of every
+Pallas kernel in it, compiles that IR with triton 3.6.0 for sm_90 at the kernel's
+own num_warps / num_stages, and disassembles the cubin (cuobjdump, shipped in
+triton's wheel). It prints, per kernel: registers, spill stores and loads, static
+SASS instructions, and the most frequent opcodes. Static counts are per kernel
+body, not per launch; session 9 found them to track Nsight Compute's executed
+counts when compared between variants of one kernel.
+
+Cases: ``CASES`` below (the top-k stages at [64, 131072] and the decode logits
+shape). ``--out`` keeps the .ttir, .sass and a summary per kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+COMPILE = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+src, warps, stages, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+open(out, "wb").write(k.asm["cubin"])
+'''
+
+
+def capture(fn, *args):
+    """[(name, num_warps, num_stages, ttir text)] of the Pallas kernels in fn(*args), lowered for CUDA."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    found = []
+    orig = reg.lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        caller = sys._getframe(1).f_locals                 # pallas_call_lowering's locals
+        name = caller.get("name") or f"kernel{len(found)}"
+        found.append((str(name), int(caller.get("num_warps", 4)), int(caller.get("num_stages", 1)),
+                      res.module.operation.get_asm()))
+        return res
+
+    reg.lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = orig
+    return found
+
+
+def sass_summary(cubin: str, cuobjdump: str):
+    """(instruction count, Counter of opcodes, sass text) of a cubin."""
+    text = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    ops = collections.Counter()
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            ops[m.group(1).split(".")[0]] += 1
+    return sum(ops.values()), ops, text
+
+
+def cases():
+    """name -> (fn, args): ops whose kernels are worth reading offline."""
+    from pallas_kernels import topk as tk
+    from pallas_kernels import topk_maxima
+    x = jnp.zeros((64, 131072), jnp.float32)
+    lens = jnp.full((64,), 131072, jnp.int32)
+    xd = jnp.zeros((64, 32832), jnp.float32)                     # a decode row: 1026 pages of 32 pools
+    lensd = jnp.full((64,), 32768, jnp.int32)
+    out = {
+        "topk": (lambda x, l: tk.topk_pools(x, l, 512, interpret=False), (x, lens)),
+        "topk-decode-maxima": (lambda x, l: topk_maxima.run_maxima(x, l, 4096, interpret=False), (xd, lensd)),
+    }
+    try:
+        import bench_read as br
+        from glm5_jax.config import IndexerConfig
+        from pallas_kernels.paged_logits import paged_logits
+        cfg = IndexerConfig()
+        layout, cache, table, key, heads = br.read_case(cfg, 2, 4096)
+        q8, w = br.queries(key, 2, 1, heads)
+        ctx = jnp.full((2, 1), 1024, jnp.int32)
+        s = layout.strides(0)
+        out["logits-decode"] = (lambda c, q, w_, t, cx: paged_logits(c, s, q, w_, t, cx, interpret=False),
+                                (cache, q8, w, table, ctx))
+    except ImportError:
+        pass
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cases", nargs="*", help="default: all")
+    ap.add_argument("--out", help="keep .ttir / .sass / summary.json here")
+    ap.add_argument("--top", type=int, default=12, help="opcodes to show per kernel")
+    a = ap.parse_args(argv)
+    tpy = os.environ.get("TRITON_PY", "/tmp/tlvenv/bin/python")
+    probe = subprocess.run([tpy, "-c", "import triton, os; print(os.path.dirname(triton.__file__))"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        sys.exit(f"no triton at TRITON_PY={tpy}: {probe.stderr.strip()[-200:]}")
+    cuobjdump = os.path.join(probe.stdout.strip(), "backends", "nvidia", "bin", "cuobjdump")
+    every = cases()
+    out = a.out or tempfile.mkdtemp(prefix="offline_sass_")
+    os.makedirs(out, exist_ok=True)
+    summary = {}
+    for case in a.cases or list(every):
+        fn, args = every[case]
+        for i, (name, warps, stages, ttir) in enumerate(capture(fn, *args)):
+            tag = f"{case}.{i}.{name}"
+            src = os.path.join(out, tag + ".ttir")
+            open(src, "w").write(ttir)
+            cubin = os.path.join(out, tag + ".cubin")
+            res = subprocess.run([tpy, "-c", COMPILE, src, str(warps), str(stages), cubin],
+                                 capture_output=True, text=True)
+            if res.returncode:
+                print(f"{tag}: compile failed: {res.stderr.strip()[-300:]}")
+                continue
+            usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
+            reg = re.search(r"REG:(\d+)", usage)
+            local = re.search(r"LOCAL:(\d+)", usage)
+            meta = {"n_regs": int(reg.group(1)) if reg else -1,
+                    "n_spills": f"{int(local.group(1)) if local else 0} B local"}
+            n, ops, text = sass_summary(cubin, cuobjdump)
+            open(os.path.join(out, tag + ".sass"), "w").write(text)
+            spills = {op: ops[op] for op in ("STL", "LDL") if ops[op]}
+            summary[tag] = dict(warps=warps, stages=stages, regs=meta["n_regs"], spills=meta["n_spills"],
+                                instructions=n, ops=dict(ops.most_common()))
+            print(f"{tag:<48} warps {warps} stages {stages}  regs {meta['n_regs']:>3}  spills "
+                  f"{meta['n_spills']} {spills or ''}  SASS {n}")
+            print("    " + "  ".join(f"{op} {c}" for op, c in ops.most_common(a.top)))
+    json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+    print(f"outputs under {out}")
+
+
+if __name__ == "__main__":
+    main()
