@@ -6,11 +6,7 @@
 # launch-shape sweep; $READ_ARGS overrides). TESTS=0 skips the tests; TESTS="..."
 # names other test files. Logs under $OUT.
 #   device tool: bash benchmarks/gpu_read_check.sh   (carry .vectors)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-[ -d .vectors ] && export GLM5_VECTORS=$PWD/.vectors
+source "$(dirname "$0")/_gpu_env.sh"
 if [ "${TESTS:-}" != 0 ]; then
   timeout "${T_S:-200}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE \
     ${TESTS:-tests/test_read_path.py tests/test_bench_harness.py} > "$OUT/pytest_read.log" 2>&1

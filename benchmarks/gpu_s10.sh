@@ -7,11 +7,7 @@
 #               [64, 32768] top-k row, the kernels of one decode select_tokens (B = 64 x 128k),
 #               and paged_logits at decode: 4 pages x 4 / x 2 warps, 8 x 4 (LOGIT_VARIANTS)
 # Logs under $OUT.   device tool: PART=tests bash benchmarks/gpu_s10.sh   (carry .vectors)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-[ -d .vectors ] && export GLM5_VECTORS=$PWD/.vectors
+source "$(dirname "$0")/_gpu_env.sh"
 PART=${PART:-tests}
 if [ "$PART" = tests ]; then
   timeout "${T_S:-300}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py \

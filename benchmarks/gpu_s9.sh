@@ -6,11 +6,7 @@
 #      paged_logits launch-shape sweep, prefill of one 32k request.
 # PART=tests|probe|bench runs one part; PART=topk (not in "all") the top-k tests, benchmarks and ncu. Logs under $OUT.
 #   device tool: bash benchmarks/gpu_s9.sh   (carry .vectors)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-[ -d .vectors ] && export GLM5_VECTORS=$PWD/.vectors
+source "$(dirname "$0")/_gpu_env.sh"
 PART=${PART:-all}
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
   timeout "${T_S:-240}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py \
