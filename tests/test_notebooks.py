@@ -20,7 +20,7 @@ def _ids(paths):
 
 def test_notebooks_exist():
     names = {p.name for p in NOTEBOOKS}
-    assert {"01_cache_layout.ipynb", "02_kernels.ipynb", "03_stride_bug.ipynb"} <= names, names
+    assert {"01_cache_layout.ipynb", "02_kernels.ipynb", "03_stride_bug.ipynb", "04_read_path.ipynb"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
