@@ -13,8 +13,15 @@ SASS instructions, and the most frequent opcodes. Static counts are per kernel
 body, not per launch; session 9 found them to track Nsight Compute's executed
 counts when compared between variants of one kernel.
 
-Cases: ``CASES`` below (the top-k stages at [64, 131072] and the decode logits
-shape). ``--out`` keeps the .ttir, .sass and a summary per kernel.
+Cases: ``cases()`` below (the top-k stages at [64, 131072], the run maxima of a
+decode row, and the decode logits shape). ``--out`` keeps the .ttir, .sass and a
+summary per kernel.
+
+Limits: the pip triton is not the Triton inside jaxlib, so registers and code can
+differ somewhat from the H200's (session 10: select 74 registers in both, floor 80
+here against 99 there), and a kernel may fail to compile here that compiles there
+(the filter kernel: triton 3.6.0's scan lowering asserts on its 8-warp cumsum).
+Compare variants of one kernel with each other, not with ncu.
 """
 from __future__ import annotations
 
