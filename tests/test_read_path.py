@@ -414,6 +414,27 @@ def test_topk_select_ignores_list_order(rng, ti, tj):
     np.testing.assert_array_equal(np.asarray(got), np_topk(x, lengths, FILTER_K))
 
 
+def test_topk_fallback_writes_only_overflowed_rows(rng):
+    """The fallback launch runs the exact streaming path on the rows whose count
+    exceeds CAP and leaves every other row of the ids it is handed as it is: ids
+    filled with a sentinel keep it byte for byte outside the overflowed rows, and
+    those rows hold the oracle's top k (-1 padded, a short row included)."""
+    from pallas_kernels import topk as tk
+    from pallas_kernels import topk_fallback
+    rows, n, k, cap = 6, 700, 24, 64
+    x = rng.integers(0, 50, size=(rows, n)).astype(np.float32)              # ties everywhere
+    lengths = np.array([n, 300, 10, n, 0, n], np.int32)
+    counts = np.array([cap + 1, 5, 10**6, cap, 0, 2 * cap], np.int32)       # rows 0, 2, 5 overflowed
+    sentinel = np.full((rows, k), 0x5EED, np.int32)
+    got = np.asarray(topk_fallback.stream_overflowed(jnp.asarray(x), jnp.asarray(lengths),
+                                                     jnp.zeros((rows,), jnp.uint32), jnp.asarray(counts),
+                                                     jnp.asarray(sentinel), cap=cap))
+    over = counts > cap
+    np.testing.assert_array_equal(got[~over], sentinel[~over])
+    np.testing.assert_array_equal(got[over], np_topk(x, lengths, k)[over])
+    assert (got[2, 10:] == -1).all() and tk.next_pow2(cap) == cap
+
+
 def test_topk_filter_ignores_stale_run_ids(rng):
     """The filter loads its run ids before it knows the row's run count: entries past
     the count (stale bytes on the GPU; here negative, huge and real run ids) must be
