@@ -262,6 +262,19 @@ def fwht_quant(q, *, implementation=None, interpret=None):
 _F32 = (jnp.float32,)
 _FP8 = (jnp.float8_e4m3fn,)
 READ_PATHS = ("fused", "unfused")
+FUSED_MIN_ROWS = 64     # query rows per request from which select_tokens' default path is "fused"
+
+
+def default_read_path(rows_per_request: int) -> str:
+    """select_tokens' path when none is given: "unfused" for decode-sized row counts,
+    "fused" from FUSED_MIN_ROWS rows per request (prefill chunks). Measured on the
+    H200 (docs/benchmarks.md): decode B = 64 x 128k, 1 row, unfused 161-163 us against
+    fused 423-428; prefill of one 32k request, fused 21.0 ms against unfused 150.3 ms
+    (session 9, run 4; unfused took 19.4 ms in an earlier session, so re-measure).
+    The fused path also never writes the logits to memory. Between 1 and 32k rows
+    the crossover is not measured; 64 is a guess that keeps decode and speculative
+    decode (next_n <= 8) unfused."""
+    return "fused" if rows_per_request >= FUSED_MIN_ROWS else "unfused"
 
 
 def padded_heads(n_heads: int) -> int:
@@ -467,13 +480,13 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     token set). ``short_context`` forces (True/False) or auto-detects (None; on
     traced positions the choice is a lax.cond on the device).
 
-    implementation="pallas": ``path="unfused"`` (the default) runs paged_logits
-    then the top-k kernel on bounded chunks of query rows; ``path="fused"`` runs
-    the fused logits -> top-k kernel (paged_topk.py), which never writes logits to
-    memory at all. Both finish with the expansion kernel. Measured on the H200
-    (docs/benchmarks.md) the unfused path was faster in every case (decode
-    B=64 x 128k about 1.5x, a 128k-token prefill 188 vs 254 ms); the fused path
-    is kept for memory-bound deployments and as the base for a faster fused kernel.
+    implementation="pallas": ``path="unfused"`` runs paged_logits then the top-k
+    kernel on bounded chunks of query rows; ``path="fused"`` runs the fused logits
+    -> top-k kernel (paged_topk.py), which never writes logits to memory at all.
+    Both finish with the expansion kernel. ``path=None`` (the default) picks by the
+    query rows per request (``default_read_path``): unfused for decode, fused for
+    prefill chunks of FUSED_MIN_ROWS rows or more, the faster of the two in the H200
+    measurements (docs/benchmarks.md).
     """
     op = "select_tokens"
     q8, weights, (b, n, hp) = _check_read_inputs(op, cache, layout, q8, weights, page_table_pages,
@@ -501,7 +514,7 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     def sparse():
         seq = ref.seq_lens_from_positions(positions)                                # [B, n]
         ctx = seq // r
-        if (path or "unfused") == "fused":
+        if (path or default_read_path(n)) == "fused":
             from pallas_kernels.paged_topk import paged_topk
             ids = paged_topk(cache, s, q8, weights, page_table_pages, ctx, k, interpret=interpret)
         else:

@@ -840,6 +840,23 @@ def test_select_tokens_vs_golden(rng, mode):
         assert (toks[seq == 0] == -1).all(), f"{name}: a padding row selected tokens"
 
 
+def test_select_tokens_default_path_by_rows(rng):
+    """path=None takes the unfused path for decode-sized row counts and the fused
+    kernel (logits never in memory) for prefill chunks of FUSED_MIN_ROWS rows or
+    more: the traced program holds the kernels of the chosen path only."""
+    cfg, layout, sc, cache, lengths, table = select_case(rng)
+    assert ops.default_read_path(1) == ops.default_read_path(ops.FUSED_MIN_ROWS - 1) == "unfused"
+    assert ops.default_read_path(ops.FUSED_MIN_ROWS) == "fused"
+    for n, want in ((4, "unfused"), (ops.FUSED_MIN_ROWS, "fused")):
+        pos = np.full((1, n), lengths[0] - 1, np.int32)
+        q8, wf = random_queries(rng, 1, n, 32)
+        text = str(jax.make_jaxpr(lambda c, q, w, t, p: ops.select_tokens(
+            c, layout, 0, q, w, t, p, short_context=False, implementation="pallas"))(
+            cache, q8, wf, jnp.asarray(table[:1]), jnp.asarray(pos)))
+        assert ("kpool_paged_topk" in text) == (want == "fused"), n
+        assert ("kpool_paged_logits" in text) == (want == "unfused"), n
+
+
 def test_short_context_path(rng):
     cfg = IndexerConfig(block_size=512, topk=32)
     layout = CacheLayout(cfg, num_layers=1, num_blocks=4)
