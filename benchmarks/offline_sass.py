@@ -8,8 +8,8 @@ Each case lowers one op for CUDA on this machine (jax lowers Pallas calls to Tri
 IR without a GPU, for sm_90 when none is present), captures the Triton IR of every
 Pallas kernel in it, compiles that IR with triton 3.6.0 for sm_90 at the kernel's
 own num_warps / num_stages, and disassembles the cubin (cuobjdump, shipped in
-triton's wheel). It prints, per kernel: registers, spill stores and loads, static
-SASS instructions, and the most frequent opcodes. Static counts are per kernel
+triton's wheel). It prints, per kernel: registers, local memory (spills), static
+SASS instructions, the most frequent opcodes, and the length of each loop body. Static counts are per kernel
 body, not per launch; session 9 found them to track Nsight Compute's executed
 counts when compared between variants of one kernel.
 
@@ -83,6 +83,19 @@ def sass_summary(cubin: str, cuobjdump: str):
     return sum(ops.values()), ops, text
 
 
+def loops(sass: str):
+    """[(first, last, instructions)] of each loop in the SASS: the spans closed by a
+    backward branch (a loop body's static length, the count to compare between
+    variants of a kernel's inner loop)."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?BRA\s+0x([0-9a-f]+)", line)
+        if m and int(m.group(2), 16) < int(m.group(1), 16):
+            lo, hi = int(m.group(2), 16), int(m.group(1), 16)
+            out.append((lo, hi, (hi - lo) // 16 + 1))
+    return out
+
+
 def cases():
     """name -> (fn, args): ops whose kernels are worth reading offline."""
     from pallas_kernels import topk as tk
@@ -152,6 +165,11 @@ def main(argv=None):
             print(f"{tag:<48} warps {warps} stages {stages}  regs {meta['n_regs']:>3}  spills "
                   f"{meta['n_spills']} {spills or ''}  SASS {n}")
             print("    " + "  ".join(f"{op} {c}" for op, c in ops.most_common(a.top)))
+            body = loops(text)
+            if body:
+                print("    loops (static instructions per trip): " + ", ".join(
+                    f"{lo:#x}-{hi:#x}: {n}" for lo, hi, n in body))
+                summary[tag]["loops"] = [n for _, _, n in body]
     json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
     print(f"outputs under {out}")
 
