@@ -269,7 +269,6 @@ def topk_label(t) -> str:
     if t.mode == "filter":
         return (f"filter bpk={t.buckets_per_k} cap={t.filter_cap or 'auto'} sel={t.select_ti}x{t.select_tj} "
                 f"radix={t.radix_bits} floor={t.floor_bits}b warps={t.filter_warps}/{t.row_warps}/{t.select_warps} "
-
                 f"st={t.select_stages}")
     return f"chunk={t.score_chunk} progs={t.target_programs} bpk={t.buckets_per_k} warps={t.num_warps}"
 

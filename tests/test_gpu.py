@@ -200,4 +200,3 @@ def test_byte_view_adds_no_copy_of_the_cache(rng):
     assert mem.output_size_in_bytes < cache_bytes // 4
     n_u8 = [ln for ln in text.splitlines() if " = u8[" in ln and "bitcast" not in ln and "parameter" not in ln]
     assert n_u8 == [], n_u8
-

@@ -520,11 +520,10 @@ def test_kth_key_prefix_skip_is_exact(rng):
     fewer than k nonzero live keys; static and traced k; 1, 2 and 4-bit steps."""
     from pallas_kernels import topk as tk
     rows, c = 8, 256
-    base = rng.integers(0, 2**32, rows, dtype=np.uint64).astype(np.uint32)
-    spread = np.array([32, 4, 10, 20, 0, 31, 2, 16])                        # low bits that vary
-    key = (base[:, None] & ~((np.uint64(1) << spread[:, None].astype(np.uint64)) - 1).astype(np.uint32)) \
-        | (rng.integers(0, 2**32, (rows, c), dtype=np.uint64).astype(np.uint32)
-           & ((np.uint64(1) << spread[:, None].astype(np.uint64)) - 1).astype(np.uint32))
+    base = rng.integers(0, 2**32, (rows, 1), dtype=np.uint64)
+    spread = np.array([32, 4, 10, 20, 0, 31, 2, 16], np.uint64)[:, None]     # low bits that vary per row
+    low = (np.uint64(1) << spread) - np.uint64(1)                            # [rows, 1] mask of those bits
+    key = ((base & ~low) | (rng.integers(0, 2**32, (rows, c), dtype=np.uint64) & low)).astype(np.uint32)
     key[1, rng.random(c) < 0.3] = 0                                          # empty runs
     key[2, 5:] = 0                                                          # 5 nonzero keys only
     live = rng.random((rows, c)) < 0.9
