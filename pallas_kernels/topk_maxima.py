@@ -7,7 +7,12 @@ row's length) of run m, 0 when the run holds none. A program owns one row and G
 consecutive runs: one [G, RUN] load, the key, a max along the run. When the runs
 tile the row (n == M * RUN, e.g. [64, 131072] at 4096 runs of 32, or the 8352
 pools of a 32k-token decode row at 1044 runs of 8) every lane is in bounds, so the
-load needs no mask and does not wait for the row's length; otherwise it is masked.
+load needs no mask and does not wait for the row's length. When the runs tile the
+row but not the programs (a decode row of 32,832 pools: 4,104 runs of 8, 9 programs
+of 512 runs) only whole runs past the last are masked, per run (lanes of a run
+stay one vectorised load: ncu at decode B = 64 x 128k, session 10: 6.7 us with
+the per-lane mask of the general case, 1.94M instructions). Otherwise (runs that
+straddle the row's end) every lane is masked.
 
 Reads ONLY its inputs; writes ONLY its output: top [rows, M] u32, each entry by
 the one program that owns its run. Grid: (rows, ceil(M / G)).
@@ -32,9 +37,12 @@ def _kernel(len_ref, x_ref, top_ref, *, n_cols: int, m: int, run: int, rp: int, 
     i = q * g + tk._iota((g, 1), 0)                                                 # [G, 1] run ids
     cols = i * run + tk._iota((1, rp), 1)                                           # [G, RP] ids
     rows = row[:, None] + 0 * cols
-    exact = n_cols == m * run and m % g == 0
-    if exact:
+    if n_cols == m * run and m % g == 0:
         x = B.gather(x_ref, rows, cols)                                             # in bounds
+    elif n_cols == m * run:                             # whole runs; the last program's tail runs
+        i_in = jnp.minimum(i, m - 1)                    # (>= M) masked per run, so the lanes of a
+        cols = i_in * run + tk._iota((1, rp), 1)        # run stay one vectorised load
+        x = B.gather(x_ref, rows, cols, mask=(i < m) & (cols >= 0), other=0.0)
     else:
         inb = (cols < (i + 1) * run) & (cols < n_cols)
         x = B.gather(x_ref, rows, jnp.minimum(cols, n_cols - 1), mask=inb, other=0.0)

@@ -67,18 +67,20 @@ def _kernel(cnt_ref, kl_ref, il_ref, out_ref, *, k: int, cap: int, ti: int, tj: 
             k_i = B.gather(kl_ref, orow, jnp.minimum(si, cap - 1), mask=mine, other=0)   # [TI, 1] u32
             id_i = B.gather(il_ref, orow, jnp.minimum(si, cap - 1), mask=mine, other=0)  # [TI, 1] i32
 
-            def tile(c):                                                            # [1, TJ] x 2, dead
-                sj = c * tj + tk._iota((1, tj), 1)                                  # lanes read nothing
+            # Dead lanes (slot >= n) read nothing and hold key 0, which no candidate has
+            # (f32 keys are >= 1), so they never count as better: the compare needs no mask.
+            def tile(c):                                                            # [1, TJ] x 2
+                sj = c * tj + tk._iota((1, tj), 1)
                 inj = sj < n
                 rows = row[:, None] + 0 * sj
                 sj = jnp.minimum(sj, cap - 1)
                 return (B.gather(kl_ref, rows, sj, mask=inj, other=0),
-                        B.gather(il_ref, rows, sj, mask=inj, other=-1), inj)
+                        B.gather(il_ref, rows, sj, mask=inj, other=-1))
 
             def step(c, carry):
-                acc, (k_j, id_j, inj) = carry
+                acc, (k_j, id_j) = carry
                 nxt = tile(c + 1)                                                   # in flight now
-                better = inj & ((k_j > k_i) | ((k_j == k_i) & (id_j < id_i)))       # [TI, TJ]
+                better = (k_j > k_i) | ((k_j == k_i) & (id_j < id_i))              # [TI, TJ]
                 return acc + better.astype(jnp.int32), nxt                          # no reduction here
 
             acc, _ = lax.fori_loop(0, (n + tj - 1) // tj, step, (jnp.zeros((ti, tj), jnp.int32), tile(0)))

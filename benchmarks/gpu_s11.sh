@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Session 11's device calls, one H200.
+#   PART=suite    the whole suite compiled (all files but the sharding and notebook ones, and the
+#                 slow Triton prefill-then-decode parity test), -n 12 workers; then Nsight Compute
+#                 of one decode select_tokens (B = 64 x 128k, benchmarks/profile_decode.py); then
+#                 bench_read.py: decode B = 64 x 128k and the top-k [64, 131072]
+#   PART=prefill  bench_read.py prefill of one 32k and one 128k request: fused, unfused, XLA
+#   PART=read     the read-path tests compiled (test_read_path, test_bench_harness, test_gpu's read
+#                 tests), then ncu of the decode select_tokens and bench_read decode + top-k
+# Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
+source "$(dirname "$0")/_gpu_env.sh"
+if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl > /dev/null 2>&1 && export PYTHONPATH=$PWD:/tmp/site
+fi
+PART=${PART:-suite}
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+ncu_decode() {
+  local m=gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
+  timeout 150 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --profile-from-start off --cache-control none \
+    --clock-control none --metrics "$m" --csv env PYTHONPATH="$PYTHONPATH" python3 benchmarks/profile_decode.py \
+    > "$OUT/ncu_decode.csv" 2> "$OUT/ncu_err.txt"
+  python3 benchmarks/_ncu_table.py "$OUT/ncu_decode.csv" | tee "$OUT/ncu_decode.txt"
+}
+bench_decode_topk() {
+  timeout "${B_S:-200}" python3 benchmarks/bench_read.py --skip-prefill --batches 64 --contexts 131072 \
+    --topk-cols 131072 > "$OUT/bench_read.txt" 2>&1
+  echo "rc=$?" >> "$OUT/bench_read.txt"; grep -v "^W\|^I0" "$OUT/bench_read.txt" | tail -24
+}
+if [ "$PART" = suite ]; then
+  timeout "${T_S:-300}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE tests \
+    --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py \
+    --deselect tests/test_triton.py::test_triton_matches_reference_prefill_then_decode > "$OUT/pytest_all.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_all.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_all.log" | tail -15
+  ncu_decode; bench_decode_topk
+fi
+if [ "$PART" = read ]; then
+  timeout "${T_S:-200}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py \
+    tests/test_bench_harness.py tests/test_gpu.py -k "${T_K:-not writes and not compress and not slots and not in_place}" \
+    > "$OUT/pytest_read.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_read.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_read.log" | tail -12
+  ncu_decode; bench_decode_topk
+fi
+if [ "$PART" = prefill ]; then
+  timeout "${P_S:-400}" python3 benchmarks/bench_read.py --skip-decode --skip-topk --prefills ${PREFILLS:-32768 131072} \
+    > "$OUT/bench_prefill.txt" 2>&1
+  echo "rc=$?" >> "$OUT/bench_prefill.txt"; grep -v "^W\|^I0" "$OUT/bench_prefill.txt" | tail -16
+fi
