@@ -5,8 +5,11 @@
 #                 of one decode select_tokens (B = 64 x 128k, benchmarks/profile_decode.py); then
 #                 bench_read.py: decode B = 64 x 128k and the top-k [64, 131072]
 #   PART=prefill  bench_read.py prefill of one 32k and one 128k request: fused, unfused, XLA
+#   PART=trace    trace_read.py (device span of one decode select_tokens and of one top-k, from a
+#                 profiler trace: no harness kernels), the notebooks' code cells, then PART=prefill
 #   PART=read     the read-path tests compiled (test_read_path, test_bench_harness, test_gpu's read
-#                 tests), then ncu of the decode select_tokens and bench_read decode + top-k
+#                 tests), then trace_read.py (device span of one decode select_tokens and one top-k,
+#                 no harness kernels), ncu of the decode select_tokens and bench_read decode + top-k
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -39,9 +42,17 @@ if [ "$PART" = read ]; then
     tests/test_bench_harness.py tests/test_gpu.py -k "${T_K:-not writes and not compress and not slots and not in_place}" \
     > "$OUT/pytest_read.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_read.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_read.log" | tail -12
+  timeout "${TR_S:-150}" python3 benchmarks/trace_read.py > "$OUT/trace_read.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_read.txt"; grep -v "^W\|^I0" "$OUT/trace_read.txt" | tail -14
   ncu_decode; bench_decode_topk
 fi
-if [ "$PART" = prefill ]; then
+if [ "$PART" = trace ]; then
+  TRACE_READ_LINES=1 timeout "${TR_S:-150}" python3 benchmarks/trace_read.py > "$OUT/trace_read.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_read.txt"; grep -v "^W\|^I0" "$OUT/trace_read.txt" | tail -16
+  timeout "${NB_S:-120}" python3 tests/scripts/run_notebook_cells.py > "$OUT/notebooks.txt" 2>&1
+  echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|Error|rc=|us|ms" "$OUT/notebooks.txt" | tail -20
+fi
+if [ "$PART" = prefill ] || [ "$PART" = trace ]; then
   timeout "${P_S:-400}" python3 benchmarks/bench_read.py --skip-decode --skip-topk --prefills ${PREFILLS:-32768 131072} \
     > "$OUT/bench_prefill.txt" 2>&1
   echo "rc=$?" >> "$OUT/bench_prefill.txt"; grep -v "^W\|^I0" "$OUT/bench_prefill.txt" | tail -16

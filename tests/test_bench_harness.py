@@ -93,3 +93,31 @@ def test_offline_sass_captures_each_kernel():
                                    "kpool_topk_select", "kpool_topk_fallback"]
     assert [g[1] for g in got] == [4, tk.ROW_WARPS, 8, 4, 4]
     assert all("tt.func" in g[3] for g in got)
+
+
+def test_trace_read_groups_kernels_by_call():
+    """trace_read.py: each call's kernels are the events between one busy kernel and the
+    next; warm-up events before the first busy kernel are not a call; span runs from
+    the first kernel's start to the last one's end, gaps included."""
+    import trace_read as tr
+    ev = [(0, 5, "warm"), (10, 100, "a trace_busy b"), (120, 50, "k1"), (172, 30, "k2"),
+          (300, 100, tr.BUSY_NAME), (410, 40, "k1"), (455, 20, "k2"), (600, 100, tr.BUSY_NAME),
+          (710, 44, "k1")]
+    calls = tr.group_calls(sorted(ev))
+    assert [(c["span_ns"], c["kernels_ns"], c["n"]) for c in calls] == [(82, 80, 2), (65, 60, 2), (44, 44, 1)]
+    s = tr.summarize(calls)
+    assert s["order"] == ["k1", "k2"] and s["calls"] == 3
+    assert abs(s["span_us"] - 0.065) < 1e-9 and abs(s["gaps_us"] - (0.065 - 0.060)) < 1e-9
+    assert [round(t * 1e3) for t in s["per_kernel_us"]] == [45, 25]      # medians over the 2 full calls
+
+
+def test_trace_read_busy_kernel_runs():
+    """The busy kernel is a real Pallas kernel (interpret mode here) that returns its input
+    after `iters` multiply-adds."""
+    import numpy as np
+    import trace_read as tr
+    out = np.asarray(tr.busy_kernel(100, interpret=True)(jnp.full((16,), 2.0, jnp.float32)))
+    want = np.float32(2.0)
+    for _ in range(100):
+        want = np.float32(want * np.float32(0.999999) + np.float32(1e-6))
+    np.testing.assert_allclose(out, want, rtol=1e-6)

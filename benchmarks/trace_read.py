@@ -1,0 +1,183 @@
+"""Device time of one read-path call, read from a profiler trace: no timing harness inside.
+
+Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 20] [--batch 64]
+                      [--context 131072] [--topk-cols 131072]
+
+bench_read.py times calls chained in one jit, each made to depend on the last by a
+small perturbation of its inputs. Those perturbations are kernels too: its
+"harness only" row costs ~7 us per call on the H200 (session 10), inside every
+chained number. Here each call is its own jit execution, queued right behind a
+long one-program "busy" kernel (``BUSY_ITERS`` dependent multiply-adds, a few
+hundred us), so all of the call's kernels are on the stream before the GPU reaches
+them, as in a serving step whose host runs ahead of the device. From the GPU
+events of a jax profiler trace (``jax.profiler.ProfileData``), per call:
+
+  span      first kernel's start to last kernel's end: the device time of the call,
+            launch gaps between its kernels included
+  kernels   the sum of its kernels' durations (what Nsight Compute adds up)
+  gaps      span - kernels
+
+Reported: the median over --calls calls, the kernels per call, and ratios measured
+in the same run: decode span / the bandwidth floor (35 B per context token at the
+copy bandwidth measured now), top-k span / the span of lax.top_k and / the time
+to read the scores once (an XLA max, traced the same way).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_read as br  # noqa: E402
+from _timing import copy_bandwidth  # noqa: E402
+from glm5_jax import ops  # noqa: E402
+from glm5_jax.config import IndexerConfig  # noqa: E402
+
+BUSY_NAME = "trace_busy"
+BUSY_ITERS = 200_000        # dependent f32 multiply-adds in one thread: ~0.4 ms on the H200
+DERIVED_LINES = ("XLA Ops", "XLA Modules", "Steps", "Framework Name Scope", "Framework Ops",
+                 "Source code", "TensorFlow Ops", "XLA TraceMe", "Launch Stats")
+
+
+def busy_kernel(iters: int = BUSY_ITERS, interpret: bool = False):
+    """A jitted one-program Pallas kernel named BUSY_NAME that runs `iters` dependent
+    multiply-adds: it keeps the GPU busy while the host queues the next call."""
+    def kern(x_ref, o_ref):
+        o_ref[...] = lax.fori_loop(0, iters, lambda i, v: v * 0.999999 + 1e-6, x_ref[...])
+
+    call = pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), interpret=interpret,
+                          name=BUSY_NAME)
+    return jax.jit(call)
+
+
+def device_events(xspace_path: str):
+    """[(start_ns, duration_ns, name)] of every kernel / memory event on the GPU
+    planes' stream lines (the derived per-op and per-module lines left out)."""
+    from jax.profiler import ProfileData
+    pd = ProfileData.from_file(xspace_path)
+    out, lines_seen = [], []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            lines_seen.append(f"{plane.name}: {line.name}")
+            if line.name in DERIVED_LINES:
+                continue
+            out += [(float(e.start_ns), float(e.duration_ns), e.name) for e in line.events]
+    if not out:
+        raise RuntimeError(f"no GPU events in the trace (lines: {lines_seen or 'none'})")
+    if os.environ.get("TRACE_READ_LINES"):
+        print("trace lines:", "; ".join(lines_seen))
+    return sorted(out)
+
+
+def group_calls(events, busy_name: str = BUSY_NAME):
+    """Events sorted by start -> one dict per call: the events after a busy kernel and
+    before the next one. Keys: span_ns, kernels_ns, n, names. Events before the first
+    busy kernel (warm-up, the busy kernel's own input) are dropped."""
+    calls, cur = [], None
+    for start, dur, name in events:
+        if busy_name in name:
+            if cur:
+                calls.append(cur)
+            cur = []
+        elif cur is not None:
+            cur.append((start, dur, name))
+    if cur:
+        calls.append(cur)
+    res = []
+    for c in calls:
+        t0, t1 = min(s for s, _, _ in c), max(s + d for s, d, _ in c)
+        res.append(dict(span_ns=t1 - t0, kernels_ns=sum(d for _, d, _ in c), n=len(c),
+                        names=[nm for _, _, nm in c], durs_ns=[d for _, d, _ in c]))
+    return res
+
+
+def summarize(calls):
+    """Medians over the calls: span, kernels and gaps (us), the kernel count, and each
+    kernel's duration (us, in launch order, over the calls that ran the most common
+    sequence of kernels)."""
+    if not calls:
+        raise RuntimeError("the trace holds no call after a busy kernel")
+    names = [tuple(c["names"]) for c in calls]
+    order = max(set(names), key=names.count)
+    same = [c["durs_ns"] for c in calls if tuple(c["names"]) == order]
+    span = float(np.median([c["span_ns"] for c in calls])) / 1e3
+    kern = float(np.median([c["kernels_ns"] for c in calls])) / 1e3
+    return dict(span_us=span, kernels_us=kern, gaps_us=span - kern, n=len(order), calls=len(calls),
+                order=list(order), per_kernel_us=list(np.median(np.asarray(same), axis=0) / 1e3))
+
+
+def trace_calls(f, args, calls: int, busy, busy_arg):
+    """Trace `calls` executions of jitted f(*args), each queued behind the busy kernel
+    and waited for; return group_calls' dicts."""
+    jax.block_until_ready(f(*args))                                  # compile + warm up
+    jax.block_until_ready(busy(busy_arg))
+    d = tempfile.mkdtemp(prefix="trace_read_")
+    with jax.profiler.trace(d):
+        for _ in range(calls):
+            busy(busy_arg)
+            jax.block_until_ready(f(*args))
+    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        raise RuntimeError(f"jax.profiler wrote no xplane.pb under {d}")
+    return group_calls(device_events(paths[0]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=131072, help="decode context tokens")
+    ap.add_argument("--topk-cols", type=int, default=131072)
+    a = ap.parse_args(argv)
+    cfg = IndexerConfig()
+    bw = copy_bandwidth()
+    busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+    print(f"copy bandwidth measured now: {bw / 1e12:.3f} TB/s; {a.calls} calls per row, each behind a busy kernel")
+    rows = []
+
+    layout, cache, table, key, heads = br.read_case(cfg, a.batch, a.context)
+    q8, w = br.queries(key, a.batch, 1, heads)
+    pos = jnp.full((a.batch, 1), a.context - 1, jnp.int32)
+    floor_us = br.FLOOR_BYTES_PER_TOKEN * a.context * a.batch / bw * 1e6
+    sel = jax.jit(br.selectors(layout, False)["pallas unfused"])
+    s = summarize(trace_calls(sel, (cache, q8, w, table, pos), a.calls, busy, busy_arg))
+    rows.append((f"decode B={a.batch} ctx={a.context // 1024}k", "select_tokens (default: unfused)", s,
+                 f"{s['span_us'] / floor_us:.2f}x floor ({floor_us:.1f} us)"))
+    del cache
+
+    n, k = a.topk_cols, cfg.topk_pools
+    x = jax.random.normal(jax.random.PRNGKey(7), (a.batch, n), jnp.float32)
+    lengths = jnp.full((a.batch,), n, jnp.int32)
+    fns = {"pallas topk_pools": jax.jit(lambda x, l: ops.topk_pools(x, l, k, implementation="pallas")),
+           "lax.top_k": jax.jit(lambda x, l: lax.top_k(br.masked(x, l), k)[1]),
+           "read the scores once (XLA max)": jax.jit(lambda x, l: jnp.max(br.masked(x, l), axis=1))}
+    res = {name: summarize(trace_calls(f, (x, lengths), a.calls, busy, busy_arg)) for name, f in fns.items()}
+    base, once = res["lax.top_k"]["span_us"], res["read the scores once (XLA max)"]["span_us"]
+    for name, s in res.items():
+        rows.append((f"topk [{a.batch}, {n}] k={k}", name, s,
+                     f"{base / s['span_us']:.2f}x lax.top_k, {s['span_us'] / once:.2f}x one read"))
+
+    print(f"\n{'case':<24}{'implementation':<34}{'span us':>9}{'kernels us':>11}{'gaps us':>9}{'kernels':>8}  ratios")
+    print("-" * 120)
+    for case, impl, s, ratio in rows:
+        print(f"{case:<24}{impl:<34}{s['span_us']:>9.1f}{s['kernels_us']:>11.1f}{s['gaps_us']:>9.1f}"
+              f"{s['n']:>8}  {ratio}")
+    for case, impl, s, _ in rows:
+        parts = ", ".join(f"{nm} {t:.1f}" for nm, t in zip(s["order"], s["per_kernel_us"]))
+        print(f"kernels (us, launch order) of {case} {impl}: {parts}")
+
+
+if __name__ == "__main__":
+    main()
