@@ -10,6 +10,8 @@
 #   PART=read     the read-path tests compiled (test_read_path, test_bench_harness, test_gpu's read
 #                 tests), then trace_read.py (device span of one decode select_tokens and one top-k,
 #                 no harness kernels), ncu of the decode select_tokens and bench_read decode + top-k
+#   PART=dots     the logits dot forms (paged_logits.DOT_FORMS): their tests compiled, probe_logits.py
+#                 + ncu at decode B = 64 x 128k ($VARIANTS), probe_fused.py at 32k and 128k prefill rows
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -56,4 +58,15 @@ if [ "$PART" = prefill ] || [ "$PART" = trace ]; then
   timeout "${P_S:-400}" python3 benchmarks/bench_read.py --skip-decode --skip-topk --prefills ${PREFILLS:-32768 131072} \
     > "$OUT/bench_prefill.txt" 2>&1
   echo "rc=$?" >> "$OUT/bench_prefill.txt"; grep -v "^W\|^I0" "$OUT/bench_prefill.txt" | tail -16
+fi
+if [ "$PART" = dots ]; then
+  timeout "${T_S:-150}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py \
+    -k "dot_forms or paged_logits or fused or select_tokens" > "$OUT/pytest_dots.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_dots.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_dots.log" | tail -8
+  VARIANTS=${VARIANTS:-4:1:2:b,4:1:4:b:f16-pools,4:1:8:b:f16-pools,8:1:4:b:f16-pools,8:1:8:b:f16-pools,2:1:4:b:f16-pools} \
+    P_S=150 N_S=120 bash benchmarks/gpu_logits_probe.sh
+  for c in 32768 131072; do
+    timeout "${F_S:-90}" python3 benchmarks/probe_fused.py --context $c --rows 8192 > "$OUT/probe_fused_$c.txt" 2>&1
+    echo "rc=$?" >> "$OUT/probe_fused_$c.txt"; grep -v "^W\|^I0" "$OUT/probe_fused_$c.txt" | tail -6
+  done
 fi

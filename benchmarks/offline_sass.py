@@ -119,6 +119,24 @@ def cases():
         s = layout.strides(0)
         out["logits-decode"] = (lambda c, q, w_, t, cx: paged_logits(c, s, q, w_, t, cx, interpret=False),
                                 (cache, q8, w, table, ctx))
+        from pallas_kernels.paged_logits import Tuning
+        for wp in (4, 8):               # the dot with pools as its rows, f16 operands: wgmma
+            out[f"logits-decode-f16-pools-w{wp}"] = (lambda c, q, w_, t, cx, wp=wp: paged_logits(
+                c, s, q, w_, t, cx, interpret=False, tune=Tuning(num_warps=wp, dot="f16-pools")),
+                (cache, q8, w, table, ctx))
+        q4, w4 = br.queries(key, 2, 4, heads)         # 4 rows x 32 heads: the 128-row dot of prefill
+        ctx4 = jnp.full((2, 4), 1024, jnp.int32)
+        for form in ("fp8", "f16"):
+            out[f"logits-rows4-{form}"] = (lambda c, q, w_, t, cx, form=form: paged_logits(
+                c, s, q, w_, t, cx, interpret=False, tune=Tuning(dot=form)), (cache, q4, w4, table, ctx4))
+        from pallas_kernels.paged_topk import paged_topk
+        layout8, cache8, table8, key8, _ = br.read_case(cfg, 1, 32768)
+        q8p, w8p = br.queries(key8, 1, 256, heads)               # 256 prefill rows at 8k pools
+        ctx8 = jnp.full((1, 256), 8192, jnp.int32)
+        s8 = layout8.strides(0)
+        for form in ("fp8", "f16"):
+            out[f"fused-prefill-{form}"] = (lambda c, q, w_, t, cx, form=form: paged_topk(
+                c, s8, q, w_, t, cx, 512, interpret=False, dot=form), (cache8, q8p, w8p, table8, ctx8))
     except ImportError:
         pass
     return out

@@ -4,8 +4,9 @@ Usage (on the H200):
   PYTHONPATH=$PWD python benchmarks/probe_logits.py [--batch 64] [--context 131072]
       [--rows 1] [--variants 8:1:4:w,4:1:2:b,...] [--profile]
 
-A variant is pages_per_step:steps:num_warps:keys, keys = b (through the byte
-view) or w (as u32 words, unpacked in the kernel); see ``paged_logits.Tuning``.
+A variant is pages_per_step:steps:num_warps:keys[:dot], keys = b (through the
+byte view) or w (as u32 words, unpacked in the kernel), dot = one of
+``paged_logits.DOT_FORMS`` (default fp8); see ``paged_logits.Tuning``.
 --rows: query rows per request (next_n; 4 rows of 32 heads fill the 128-row dot
 of a prefill program). Each variant is timed as a 50-call chain
 (``bench_read.time_read``) and reported as the ratio to the decode bandwidth
@@ -37,8 +38,9 @@ DEFAULT = "8:1:4:w,4:1:2:b,8:1:2:b,4:2:2:b,4:1:4:b,8:1:4:b,4:4:4:b"
 
 
 def parse(spec: str) -> pk.Tuning:
-    g, steps, w, keys = spec.split(":")
-    return pk.Tuning(pages_per_step=int(g), steps=int(steps), num_warps=int(w), byte_view=keys == "b")
+    g, steps, w, keys, *dot = spec.split(":")
+    return pk.Tuning(pages_per_step=int(g), steps=int(steps), num_warps=int(w), byte_view=keys == "b",
+                     dot=dot[0] if dot else "fp8")
 
 
 def main(argv=None):

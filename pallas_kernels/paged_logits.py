@@ -168,18 +168,41 @@ def load_pages(cache_ref, bytes_ref, s: CacheStrides, pages, ok):
     return unpack_fp8_words_t(words), kscale
 
 
-def pages_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int):
+DOT_FORMS = ("fp8", "f16", "f16-pools")
+
+
+def pages_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int, dot: str = "fp8"):
     """[BN, G*P] f32 logits of G pages for the block's rows (no context masking):
-    the fp8 dot [BN*Hp, 128] x [128, G*P] (the form verified on the H200), scaled,
-    ReLU, weighted sum over heads."""
-    sc = jnp.dot(qb.q8, k8t, preferred_element_type=jnp.float32)                   # [BN*Hp, G*P]
+    the dot, scaled, ReLU, weighted sum over heads. Dot forms (``Tuning.dot``):
+
+      "fp8"        [BN*Hp, 128] x [128, G*P] on the fp8 operands (the form verified on
+                   the H200 since session 1). Triton runs it as mma.sync on f16
+                   converted in registers: its wgmma path refuses fp8 with f32
+                   accumulation unless the dot allows imprecise accumulation, which the
+                   Pallas lowering does not set.
+      "f16"        the same dot on f16 operands (fp8 -> f16 is exact): wgmma where the
+                   dot has >= 64 rows and the program >= 4 warps (prefill blocks).
+      "f16-pools"  [G*P, 128] x [128, BN*Hp] on f16 operands, pools as the rows: wgmma
+                   at decode too (128 pool rows), the head sum along the columns.
+    """
+    if dot == "f16-pools":
+        gp = k8t.shape[1]
+        sc = jnp.dot(k8t.T.astype(jnp.float16), qb.q8.T.astype(jnp.float16),
+                     preferred_element_type=jnp.float32)                           # [G*P, BN*Hp]
+        sc = jnp.maximum(sc * kscale[:, None], 0.0) * qb.w[None, :]
+        return jnp.sum(sc.reshape(gp, bn, hp), axis=2).T                          # [BN, G*P]
+    if dot == "f16":
+        sc = jnp.dot(qb.q8.astype(jnp.float16), k8t.astype(jnp.float16),
+                     preferred_element_type=jnp.float32)                           # [BN*Hp, G*P]
+    else:
+        sc = jnp.dot(qb.q8, k8t, preferred_element_type=jnp.float32)               # [BN*Hp, G*P]
     sc = jnp.maximum(sc * kscale[None, :], 0.0)
     sc = sc * qb.w[:, None]
     return jnp.sum(sc.reshape(bn, hp, sc.shape[-1]), axis=1)                      # [BN, G*P]
 
 
 def score_pages(cache_ref, bytes_ref, table_ref, s: CacheStrides, qb: QueryBlock, b, col0, enabled, *,
-                n_pages: int, bn: int, hp: int, max_pages: int):
+                n_pages: int, bn: int, hp: int, max_pages: int, dot: str = "fp8"):
     """Logits of page-table columns col0 .. col0 + n_pages - 1 of request b.
 
     Returns (logits [BN, G*P] f32 with -inf outside context or on an invalid page,
@@ -193,7 +216,7 @@ def score_pages(cache_ref, bytes_ref, table_ref, s: CacheStrides, qb: QueryBlock
     pages = B.gather(table_ref, b + 0 * cols, jnp.minimum(cols, max_pages - 1))    # [G]
     page_ok = enabled & in_table & addr.page_valid(s, pages)
     k8t, kscale = load_pages(cache_ref, bytes_ref, s, pages, page_ok)
-    lg = pages_logits(qb, k8t, kscale, bn=bn, hp=hp)                               # [BN, G*P]
+    lg = pages_logits(qb, k8t, kscale, bn=bn, hp=hp, dot=dot)                      # [BN, G*P]
     pools = addr.table_pool(s, col0, _iota((g * p,), 0))                           # [G*P]
     ok_r = jnp.broadcast_to((in_table & page_ok)[:, None], (g, p)).reshape(g * p)
     live = (pools[None, :] < qb.ctx[:, None]) & (pools < max_pages * p)[None, :]
@@ -221,7 +244,8 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
         @B.when(col0 < need)
         def _score():
             lg, _, _ = score_pages(cache_ref, bytes_ref, table_ref, s, qb, b, col0, col0 < need,
-                                   n_pages=tune.pages_per_step, bn=bn, hp=hp, max_pages=max_pages)
+                                   n_pages=tune.pages_per_step, bn=bn, hp=hp, max_pages=max_pages,
+                                   dot=tune.dot)
             B.scatter(out_ref, rows2, pools, lg, store_ok)
 
         @B.when(col0 >= need)
@@ -243,10 +267,11 @@ class Tuning:
     steps: int = STEPS
     num_warps: int | None = None
     byte_view: bool | None = None       # keys through the byte view: None = wherever safe (key_source)
+    dot: str = "fp8"                    # the dot's form (pages_logits, DOT_FORMS)
 
     def __post_init__(self):
         if (self.pages_per_step not in (1, 2, 4, 8, 16) or self.steps < 1
-                or self.num_warps not in (None, 1, 2, 4, 8)):
+                or self.num_warps not in (None, 1, 2, 4, 8) or self.dot not in DOT_FORMS):
             raise ValueError(f"bad paged_logits tuning {self}")
 
     def warps_for(self, dot_rows: int) -> int:

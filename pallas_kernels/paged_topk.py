@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from . import _backend as B
 from . import numerics as nm
 from . import topk as tk
-from .paged_logits import (cache_views, check_geometry, key_source, load_query_block, rows_per_block,
-                           score_pages)
+from .paged_logits import (DOT_FORMS, cache_views, check_geometry, key_source, load_query_block,
+                           rows_per_block, score_pages)
 from .strides import CacheStrides
 
 MAX_ROWS_PER_CALL = 8192
@@ -49,7 +49,7 @@ MAX_ROWS_PER_CALL = 8192
 
 def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
             s: CacheStrides, g: tk.Geometry, n: int, hp: int, max_pages: int, row_blocks: int,
-            splits: int, split_pages: int, final: bool, interpret: bool, byte_view: bool):
+            splits: int, split_pages: int, final: bool, interpret: bool, byte_view: bool, dot: str):
     # ctx_ref: [B*n] i32; table_ref: [B, max_pages] i32; q_ref: [B*n*Hp, 128] e4m3fn;
     # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32; (bytes_ref: [rows, 4096] u8 if byte_view);
     # res_ref: [B*n, k] i32 (final) or [n_buf] i32 counts; kbuf/ibuf: [n_buf, CAP] u32/i32
@@ -65,7 +65,7 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
 
     def produce(c, active):
         lg, pools, live = score_pages(cache_ref, bytes_ref, table_ref, s, qb, b, lo + c, active, n_pages=1,
-                                      bn=bn, hp=hp, max_pages=max_pages)          # [BN, P]
+                                      bn=bn, hp=hp, max_pages=max_pages, dot=dot)  # [BN, P]
         ids = pools[None, :] + 0 * live.astype(jnp.int32)
         return tk.order_key(lg), ids, live & active & rows.ok[:, None]
 
@@ -73,7 +73,7 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
     tk.finish(g, st, kbuf, ibuf, brow, rows, (res_ref,), final=final, interpret=interpret)
 
 
-def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret):
+def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret, dot):
     b, n, hp, _ = q8.shape
     max_pages = page_table_pages.shape[1]
     bn = rows_per_block(n, hp)
@@ -91,7 +91,7 @@ def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, int
     out, kbuf, ibuf = B.pallas_call(
         functools.partial(_kernel, s=s, g=g, n=n, hp=hp, max_pages=max_pages, row_blocks=row_blocks,
                           splits=sp, split_pages=split_pages, final=final, interpret=interpret,
-                          byte_view=byte_view),
+                          byte_view=byte_view, dot=dot),
         grid=(b, row_blocks, sp),
         out_shape=(res,) + tk.buffer_shapes(g, n_buf),
         input_output_aliases={}, interpret=interpret, name="kpool_paged_topk", num_warps=4,
@@ -104,13 +104,16 @@ def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, int
     return out.reshape(b, n, k)
 
 
-@functools.partial(jax.jit, static_argnames=("s", "k", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("s", "k", "splits", "interpret", "dot"))
 def paged_topk(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, k: int, *,
-               splits=None, interpret=None):
+               splits=None, interpret=None, dot: str = "fp8"):
     """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32
     (q-scale folded); page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
     Returns [B, n, k] i32 pool ids (score desc, id asc; -1 padded).
-    `splits` overrides the number of programs sharing one row's pages."""
+    `splits` overrides the number of programs sharing one row's pages; `dot` is the
+    form of the logits dot (``paged_logits.DOT_FORMS``)."""
+    if dot not in DOT_FORMS:
+        raise ValueError(f"paged_topk: dot must be one of {DOT_FORMS}, got {dot!r}")
     b, n, hp, _ = q8.shape
     check_geometry(s, hp)
     if b == 0 or n == 0:
@@ -118,7 +121,7 @@ def paged_topk(cache, s: CacheStrides, q8, weights, page_table_pages, context_po
     if page_table_pages.shape[1] == 0:
         return jnp.full((b, n, k), -1, jnp.int32)
     if n <= MAX_ROWS_PER_CALL:
-        return _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret)
+        return _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret, dot)
     # long prefill: walk the query rows in chunks (padding rows have context 0)
     chunk = MAX_ROWS_PER_CALL
     nc = -(-n // chunk)
@@ -130,7 +133,7 @@ def paged_topk(cache, s: CacheStrides, q8, weights, page_table_pages, context_po
 
     def one(xs):
         q, w, c = xs
-        return _call(cache, s, q, w, page_table_pages, c, k, splits, interpret)
+        return _call(cache, s, q, w, page_table_pages, c, k, splits, interpret, dot)
 
     out = jax.lax.map(one, (split(q8), split(weights), split(context_pools.astype(jnp.int32))))
     return jnp.moveaxis(out, 0, 1).reshape(b, nc * chunk, k)[:, :n]

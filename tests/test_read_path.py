@@ -248,6 +248,25 @@ def test_paged_logits_key_sources(rng, case):
         assert_logits_match(out[True], out[False], np.asarray(ctx))
 
 
+@pytest.mark.parametrize("dot", ["f16", "f16-pools"])
+@pytest.mark.parametrize("case", LOGIT_CASES)
+def test_paged_logits_dot_forms(rng, case, dot):
+    """The f16 dot forms (wgmma on the GPU at 4 warps) give the reference's logits, and
+    the fp8 form's to the same tolerance: fp8 -> f16 is exact, only the order of the
+    f32 sums may differ."""
+    from pallas_kernels.paged_logits import Tuning, paged_logits
+    layout, s, (cache, _, _, q8, wf, table, ctx) = logits_case(rng, case)
+    a = np.asarray(paged_logits(cache, s, q8, wf, table, ctx, tune=Tuning(num_warps=4, dot=dot)))
+    want = np.asarray(ops.paged_logits(cache, layout, 1, q8, wf, table, ctx, implementation="xla"))
+    assert_logits_match(a, want, np.asarray(ctx))
+    assert_logits_match(a, np.asarray(paged_logits(cache, s, q8, wf, table, ctx)), np.asarray(ctx))
+    with pytest.raises(ValueError, match="tuning"):
+        Tuning(dot="bf16")
+    from pallas_kernels.paged_topk import paged_topk
+    with pytest.raises(ValueError, match="dot must be one of"):
+        paged_topk(cache, s, q8, wf, table, ctx, 4, dot="bf16")
+
+
 def test_byte_view_offset_rule():
     """The byte view is used only where the backend indexes every byte correctly:
     at most 2 GiB, or more than 4 GiB (64-bit offsets)."""
@@ -633,8 +652,9 @@ FUSED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dot", ["fp8", "f16"])
 @pytest.mark.parametrize("case", FUSED_CASES)
-def test_paged_topk_matches_reference(rng, case):
+def test_paged_topk_matches_reference(rng, case, dot):
     from pallas_kernels.paged_topk import paged_topk
     layout = CacheLayout(IndexerConfig(block_size=case["block_size"]), num_layers=1, num_blocks=6)
     cache = random_cache(rng, layout)
@@ -647,7 +667,7 @@ def test_paged_topk_matches_reference(rng, case):
     counts = [n, max(1, n // 2), n]
     pos = decode_positions(rng, lengths, n, counts)
     ctx = jnp.asarray(ref.seq_lens_from_positions(pos) // s.kpool)
-    got = np.asarray(paged_topk(cache, s, q8, wf, table, ctx, k, splits=case["splits"])).reshape(b * n, k)
+    got = np.asarray(paged_topk(cache, s, q8, wf, table, ctx, k, splits=case["splits"], dot=dot)).reshape(b * n, k)
     logits = ref_logits(cache, s, q8, wf, table, ctx).reshape(b * n, -1)
     want = np.asarray(ref_topk(logits, ctx.reshape(-1), k))
     assert_selection(got, want, logits, np.asarray(ctx).reshape(-1), k)
