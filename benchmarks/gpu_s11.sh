@@ -12,6 +12,8 @@
 #                 no harness kernels), ncu of the decode select_tokens and bench_read decode + top-k
 #   PART=dots     the logits dot forms (paged_logits.DOT_FORMS): their tests compiled, probe_logits.py
 #                 + ncu at decode B = 64 x 128k ($VARIANTS), probe_fused.py at 32k and 128k prefill rows
+#   PART=fused    the fused kernel's tests compiled, then probe_fused.py's variants ($FUSED_VARIANTS:
+#                 dot form, pages per selection step, warps) at 32k and 128k prefill rows
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -68,5 +70,16 @@ if [ "$PART" = dots ]; then
   for c in 32768 131072; do
     timeout "${F_S:-90}" python3 benchmarks/probe_fused.py --context $c --rows 8192 > "$OUT/probe_fused_$c.txt" 2>&1
     echo "rc=$?" >> "$OUT/probe_fused_$c.txt"; grep -v "^W\|^I0" "$OUT/probe_fused_$c.txt" | tail -6
+  done
+fi
+if [ "$PART" = fused ]; then
+  timeout "${T_S:-150}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py tests/test_gpu.py \
+    -k "paged_topk or fused or large_cache_reads" > "$OUT/pytest_fused.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_fused.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_fused.log" | tail -8
+  for c in 32768 131072; do
+    timeout "${F_S:-200}" python3 benchmarks/probe_fused.py --context $c --rows 8192 \
+      --variants "${FUSED_VARIANTS:-fp8:1:4,f16:1:4,fp8:2:4,f16:2:4,fp8:4:8,f16:4:8,fp8:2:8,fp8:4:4}" \
+      > "$OUT/probe_fused_$c.txt" 2>&1
+    echo "rc=$?" >> "$OUT/probe_fused_$c.txt"; grep -v "^W\|^I0" "$OUT/probe_fused_$c.txt" | tail -12
   done
 fi

@@ -134,9 +134,12 @@ def cases():
         q8p, w8p = br.queries(key8, 1, 256, heads)               # 256 prefill rows at 8k pools
         ctx8 = jnp.full((1, 256), 8192, jnp.int32)
         s8 = layout8.strides(0)
-        for form in ("fp8", "f16"):
-            out[f"fused-prefill-{form}"] = (lambda c, q, w_, t, cx, form=form: paged_topk(
-                c, s8, q, w_, t, cx, 512, interpret=False, dot=form), (cache8, q8p, w8p, table8, ctx8))
+        for form, pages, warps in (("fp8", 1, 4), ("f16", 1, 4), ("fp8", 2, 4), ("f16", 2, 4), ("fp8", 4, 8),
+                                   ("f16", 4, 8)):
+            out[f"fused-prefill-{form}-p{pages}-w{warps}"] = (
+                lambda c, q, w_, t, cx, form=form, pages=pages, warps=warps: paged_topk(
+                    c, s8, q, w_, t, cx, 512, interpret=False, dot=form, pages=pages, num_warps=warps),
+                (cache8, q8p, w8p, table8, ctx8))
     except ImportError:
         pass
     return out

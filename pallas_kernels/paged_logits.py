@@ -207,7 +207,7 @@ def score_pages(cache_ref, bytes_ref, table_ref, s: CacheStrides, qb: QueryBlock
 
     Returns (logits [BN, G*P] f32 with -inf outside context or on an invalid page,
     pools [G*P] i32 request-relative pool ids, live [BN, G*P] bool = pool < context).
-    Reads the cache only if `enabled` (scalar) and a page id is valid; keys
+    Reads a page only if `enabled` (scalar, or [G]: per page) and its id is valid; keys
     through bytes_ref (the byte view) unless it is None (``load_pages``).
     """
     g, p = n_pages, s.page_rows

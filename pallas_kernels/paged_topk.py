@@ -49,7 +49,8 @@ MAX_ROWS_PER_CALL = 8192
 
 def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
             s: CacheStrides, g: tk.Geometry, n: int, hp: int, max_pages: int, row_blocks: int,
-            splits: int, split_pages: int, final: bool, interpret: bool, byte_view: bool, dot: str):
+            splits: int, split_pages: int, final: bool, interpret: bool, byte_view: bool, dot: str,
+            pages: int):
     # ctx_ref: [B*n] i32; table_ref: [B, max_pages] i32; q_ref: [B*n*Hp, 128] e4m3fn;
     # w_ref: [B*n, Hp] f32; cache_ref: [rows, 1024] u32; (bytes_ref: [rows, 4096] u8 if byte_view);
     # res_ref: [B*n, k] i32 (final) or [n_buf] i32 counts; kbuf/ibuf: [n_buf, CAP] u32/i32
@@ -59,13 +60,15 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
     rows = tk.Rows(b, rb, n=n, bn=bn, row_blocks=row_blocks)
     qb = load_query_block(ctx_ref, q_ref, w_ref, b, rb * bn, n=n, hp=hp, bn=bn)
     need = jnp.minimum((jnp.max(qb.ctx) + (p - 1)) // p, max_pages)               # columns in use
-    lo = sp * split_pages
-    n_chunks = jnp.maximum(jnp.minimum(lo + split_pages, need) - lo, 0)
+    lo = sp * split_pages                                   # split_pages: a multiple of `pages`
+    n_chunks = (jnp.maximum(jnp.minimum(lo + split_pages, need) - lo, 0) + pages - 1) // pages
     brow = rows.padded * splits + sp
 
-    def produce(c, active):
-        lg, pools, live = score_pages(cache_ref, bytes_ref, table_ref, s, qb, b, lo + c, active, n_pages=1,
-                                      bn=bn, hp=hp, max_pages=max_pages, dot=dot)  # [BN, P]
+    def produce(c, active):                                 # chunk c: `pages` page-table columns,
+        col0 = lo + c * pages                               # none read past the rows' context
+        on = active & (col0 + tk._iota((pages,), 0) < need)                         # [pages]
+        lg, pools, live = score_pages(cache_ref, bytes_ref, table_ref, s, qb, b, col0, on, n_pages=pages,
+                                      bn=bn, hp=hp, max_pages=max_pages, dot=dot)  # [BN, pages*P]
         ids = pools[None, :] + 0 * live.astype(jnp.int32)
         return tk.order_key(lg), ids, live & active & rows.ok[:, None]
 
@@ -73,14 +76,15 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
     tk.finish(g, st, kbuf, ibuf, brow, rows, (res_ref,), final=final, interpret=interpret)
 
 
-def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret, dot):
+def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret, dot, pages, num_warps):
     b, n, hp, _ = q8.shape
     max_pages = page_table_pages.shape[1]
     bn = rows_per_block(n, hp)
     row_blocks = -(-n // bn)
-    g = tk.Geometry(k=k, bn=bn, ch=s.page_rows)
+    g = tk.Geometry(k=k, bn=bn, ch=pages * s.page_rows)
     sp = tk.choose_splits(b * row_blocks, max_pages * s.page_rows, k, splits)
     split_pages = -(-max_pages // min(sp, max_pages))
+    split_pages = -(-split_pages // pages) * pages          # whole chunks: no chunk crosses a split
     sp = -(-max_pages // split_pages)
     final = sp == 1
     n_buf = b * row_blocks * bn * sp
@@ -91,10 +95,10 @@ def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, int
     out, kbuf, ibuf = B.pallas_call(
         functools.partial(_kernel, s=s, g=g, n=n, hp=hp, max_pages=max_pages, row_blocks=row_blocks,
                           splits=sp, split_pages=split_pages, final=final, interpret=interpret,
-                          byte_view=byte_view, dot=dot),
+                          byte_view=byte_view, dot=dot, pages=pages),
         grid=(b, row_blocks, sp),
         out_shape=(res,) + tk.buffer_shapes(g, n_buf),
-        input_output_aliases={}, interpret=interpret, name="kpool_paged_topk", num_warps=4,
+        input_output_aliases={}, interpret=interpret, name="kpool_paged_topk", num_warps=num_warps,
     )(context_pools.astype(jnp.int32).reshape(b * n), page_table_pages.astype(jnp.int32),
       q8.reshape(b * n * hp, nm.HEAD_DIM), weights.astype(jnp.float32).reshape(b * n, hp),
       *cache_views(cache, s, byte_view))
@@ -104,16 +108,19 @@ def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, int
     return out.reshape(b, n, k)
 
 
-@functools.partial(jax.jit, static_argnames=("s", "k", "splits", "interpret", "dot"))
+@functools.partial(jax.jit, static_argnames=("s", "k", "splits", "interpret", "dot", "pages", "num_warps"))
 def paged_topk(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, k: int, *,
-               splits=None, interpret=None, dot: str = "fp8"):
+               splits=None, interpret=None, dot: str = "fp8", pages: int = 1, num_warps: int = 4):
     """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32
     (q-scale folded); page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
     Returns [B, n, k] i32 pool ids (score desc, id asc; -1 padded).
     `splits` overrides the number of programs sharing one row's pages; `dot` is the
-    form of the logits dot (``paged_logits.DOT_FORMS``)."""
+    form of the logits dot (``paged_logits.DOT_FORMS``); `pages` the page-table columns
+    scored per step of the selection (a power of two), `num_warps` the program's warps."""
     if dot not in DOT_FORMS:
         raise ValueError(f"paged_topk: dot must be one of {DOT_FORMS}, got {dot!r}")
+    if pages not in (1, 2, 4, 8) or num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"paged_topk: pages and num_warps must be 1, 2, 4 or 8, got {pages}, {num_warps}")
     b, n, hp, _ = q8.shape
     check_geometry(s, hp)
     if b == 0 or n == 0:
@@ -121,7 +128,8 @@ def paged_topk(cache, s: CacheStrides, q8, weights, page_table_pages, context_po
     if page_table_pages.shape[1] == 0:
         return jnp.full((b, n, k), -1, jnp.int32)
     if n <= MAX_ROWS_PER_CALL:
-        return _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret, dot)
+        return _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, interpret, dot, pages,
+                     num_warps)
     # long prefill: walk the query rows in chunks (padding rows have context 0)
     chunk = MAX_ROWS_PER_CALL
     nc = -(-n // chunk)
@@ -133,7 +141,7 @@ def paged_topk(cache, s: CacheStrides, q8, weights, page_table_pages, context_po
 
     def one(xs):
         q, w, c = xs
-        return _call(cache, s, q, w, page_table_pages, c, k, splits, interpret, dot)
+        return _call(cache, s, q, w, page_table_pages, c, k, splits, interpret, dot, pages, num_warps)
 
     out = jax.lax.map(one, (split(q8), split(weights), split(context_pools.astype(jnp.int32))))
     return jnp.moveaxis(out, 0, 1).reshape(b, nc * chunk, k)[:, :n]

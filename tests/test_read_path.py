@@ -652,9 +652,10 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dot", ["fp8", "f16"])
+@pytest.mark.parametrize("dot, pages, warps", [("fp8", 1, 4), ("f16", 1, 4), ("fp8", 2, 4), ("f16", 4, 8)],
+                         ids=["fp8", "f16", "fp8-2pages", "f16-4pages-8warps"])
 @pytest.mark.parametrize("case", FUSED_CASES)
-def test_paged_topk_matches_reference(rng, case, dot):
+def test_paged_topk_matches_reference(rng, case, dot, pages, warps):
     from pallas_kernels.paged_topk import paged_topk
     layout = CacheLayout(IndexerConfig(block_size=case["block_size"]), num_layers=1, num_blocks=6)
     cache = random_cache(rng, layout)
@@ -667,7 +668,8 @@ def test_paged_topk_matches_reference(rng, case, dot):
     counts = [n, max(1, n // 2), n]
     pos = decode_positions(rng, lengths, n, counts)
     ctx = jnp.asarray(ref.seq_lens_from_positions(pos) // s.kpool)
-    got = np.asarray(paged_topk(cache, s, q8, wf, table, ctx, k, splits=case["splits"], dot=dot)).reshape(b * n, k)
+    got = np.asarray(paged_topk(cache, s, q8, wf, table, ctx, k, splits=case["splits"], dot=dot, pages=pages,
+                                num_warps=warps)).reshape(b * n, k)
     logits = ref_logits(cache, s, q8, wf, table, ctx).reshape(b * n, -1)
     want = np.asarray(ref_topk(logits, ctx.reshape(-1), k))
     assert_selection(got, want, logits, np.asarray(ctx).reshape(-1), k)
