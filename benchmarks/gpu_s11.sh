@@ -12,8 +12,12 @@
 #                 no harness kernels), ncu of the decode select_tokens and bench_read decode + top-k
 #   PART=dots     the logits dot forms (paged_logits.DOT_FORMS): their tests compiled, probe_logits.py
 #                 + ncu at decode B = 64 x 128k ($VARIANTS), probe_fused.py at 32k and 128k prefill rows
+#                 (run 3 probed a form "f16-pools" at decode, since removed: 1.45-1.76x slower)
 #   PART=fused    the fused kernel's tests compiled, then probe_fused.py's variants ($FUSED_VARIANTS:
 #                 dot form, pages per selection step, warps) at 32k and 128k prefill rows
+#   PART=final    the read-path tests compiled (test_read_path, test_bench_harness, test_gpu's read
+#                 tests) and test_serving, then trace_read.py (with torch.topk where PyTorch is
+#                 importable), then PART=prefill
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -56,19 +60,28 @@ if [ "$PART" = trace ]; then
   timeout "${NB_S:-120}" python3 tests/scripts/run_notebook_cells.py > "$OUT/notebooks.txt" 2>&1
   echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|Error|rc=|us|ms" "$OUT/notebooks.txt" | tail -20
 fi
-if [ "$PART" = prefill ] || [ "$PART" = trace ]; then
+if [ "$PART" = final ]; then
+  timeout "${T_S:-240}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py \
+    tests/test_bench_harness.py tests/test_serving.py tests/test_gpu.py::test_large_cache_reads_past_2gib \
+    tests/test_gpu.py::test_read_path_never_waits_on_the_host tests/test_gpu.py::test_byte_view_adds_no_copy_of_the_cache \
+    > "$OUT/pytest_final.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_final.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_final.log" | tail -12
+  timeout "${TR_S:-200}" python3 benchmarks/trace_read.py > "$OUT/trace_read.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_read.txt"; grep -v "^W\|^I0" "$OUT/trace_read.txt" | tail -14
+fi
+if [ "$PART" = prefill ] || [ "$PART" = trace ] || [ "$PART" = final ]; then
   timeout "${P_S:-400}" python3 benchmarks/bench_read.py --skip-decode --skip-topk --prefills ${PREFILLS:-32768 131072} \
     > "$OUT/bench_prefill.txt" 2>&1
   echo "rc=$?" >> "$OUT/bench_prefill.txt"; grep -v "^W\|^I0" "$OUT/bench_prefill.txt" | tail -16
 fi
 if [ "$PART" = dots ]; then
   timeout "${T_S:-150}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_read_path.py \
-    -k "dot_forms or paged_logits or fused or select_tokens" > "$OUT/pytest_dots.log" 2>&1
+    -k "f16_dot or paged_logits or fused or select_tokens" > "$OUT/pytest_dots.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_dots.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_dots.log" | tail -8
-  VARIANTS=${VARIANTS:-4:1:2:b,4:1:4:b:f16-pools,4:1:8:b:f16-pools,8:1:4:b:f16-pools,8:1:8:b:f16-pools,2:1:4:b:f16-pools} \
+  VARIANTS=${VARIANTS:-4:1:2:b,4:1:4:b,4:1:4:b:f16} \
     P_S=150 N_S=120 bash benchmarks/gpu_logits_probe.sh
   for c in 32768 131072; do
-    timeout "${F_S:-90}" python3 benchmarks/probe_fused.py --context $c --rows 8192 > "$OUT/probe_fused_$c.txt" 2>&1
+    timeout "${F_S:-90}" python3 benchmarks/probe_fused.py --context $c --rows 8192 --variants fp8:1:4,f16:1:4 > "$OUT/probe_fused_$c.txt" 2>&1
     echo "rc=$?" >> "$OUT/probe_fused_$c.txt"; grep -v "^W\|^I0" "$OUT/probe_fused_$c.txt" | tail -6
   done
 fi

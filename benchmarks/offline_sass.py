@@ -120,10 +120,6 @@ def cases():
         out["logits-decode"] = (lambda c, q, w_, t, cx: paged_logits(c, s, q, w_, t, cx, interpret=False),
                                 (cache, q8, w, table, ctx))
         from pallas_kernels.paged_logits import Tuning
-        for wp in (4, 8):               # the dot with pools as its rows, f16 operands: wgmma
-            out[f"logits-decode-f16-pools-w{wp}"] = (lambda c, q, w_, t, cx, wp=wp: paged_logits(
-                c, s, q, w_, t, cx, interpret=False, tune=Tuning(num_warps=wp, dot="f16-pools")),
-                (cache, q8, w, table, ctx))
         q4, w4 = br.queries(key, 2, 4, heads)         # 4 rows x 32 heads: the 128-row dot of prefill
         ctx4 = jnp.full((2, 4), 1024, jnp.int32)
         for form in ("fp8", "f16"):

@@ -20,7 +20,10 @@ events of a jax profiler trace (``jax.profiler.ProfileData``), per call:
 Reported: the median over --calls calls, the kernels per call, and ratios measured
 in the same run: decode span / the bandwidth floor (35 B per context token at the
 copy bandwidth measured now), top-k span / the span of lax.top_k and / the time
-to read the scores once (an XLA max, traced the same way).
+to read the scores once (an XLA max, traced the same way), and, where PyTorch
+with CUDA is importable (the H200 image has it), torch.topk on the same scores
+timed with CUDA events over 50 back-to-back calls (its launches queued ahead the
+same way; no profiler).
 """
 from __future__ import annotations
 
@@ -133,6 +136,31 @@ def trace_calls(f, args, calls: int, busy, busy_arg):
     return group_calls(device_events(paths[0]))
 
 
+def torch_topk_us(x, k: int, calls: int = 50, trials: int = 5):
+    """Median us per call of torch.topk(x, k, dim=1) (sorted, as our ids are) over
+    `calls` back-to-back calls between two CUDA events; None without torch + CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    xt = torch.from_numpy(np.asarray(x)).cuda()
+    for _ in range(3):
+        torch.topk(xt, k, dim=1)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(calls):
+            torch.topk(xt, k, dim=1)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / calls)
+    return float(np.median(times))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=20)
@@ -165,9 +193,14 @@ def main(argv=None):
            "read the scores once (XLA max)": jax.jit(lambda x, l: jnp.max(br.masked(x, l), axis=1))}
     res = {name: summarize(trace_calls(f, (x, lengths), a.calls, busy, busy_arg)) for name, f in fns.items()}
     base, once = res["lax.top_k"]["span_us"], res["read the scores once (XLA max)"]["span_us"]
+    t_us = torch_topk_us(x, k)
+    if t_us is not None:
+        res["torch.topk (CUDA events)"] = dict(span_us=t_us, kernels_us=float("nan"), gaps_us=float("nan"), n=0,
+                                               calls=50, order=[], per_kernel_us=[])
     for name, s in res.items():
+        vs_torch = f", {t_us / s['span_us']:.2f}x torch.topk" if t_us is not None else ""
         rows.append((f"topk [{a.batch}, {n}] k={k}", name, s,
-                     f"{base / s['span_us']:.2f}x lax.top_k, {s['span_us'] / once:.2f}x one read"))
+                     f"{base / s['span_us']:.2f}x lax.top_k{vs_torch}, {s['span_us'] / once:.2f}x one read"))
 
     print(f"\n{'case':<24}{'implementation':<34}{'span us':>9}{'kernels us':>11}{'gaps us':>9}{'kernels':>8}  ratios")
     print("-" * 120)
@@ -175,8 +208,9 @@ def main(argv=None):
         print(f"{case:<24}{impl:<34}{s['span_us']:>9.1f}{s['kernels_us']:>11.1f}{s['gaps_us']:>9.1f}"
               f"{s['n']:>8}  {ratio}")
     for case, impl, s, _ in rows:
-        parts = ", ".join(f"{nm} {t:.1f}" for nm, t in zip(s["order"], s["per_kernel_us"]))
-        print(f"kernels (us, launch order) of {case} {impl}: {parts}")
+        if s["order"] and "cub::" not in " ".join(s["order"]):
+            parts = ", ".join(f"{nm} {t:.1f}" for nm, t in zip(s["order"], s["per_kernel_us"]))
+            print(f"kernels (us, launch order) of {case} {impl}: {parts}")
 
 
 if __name__ == "__main__":

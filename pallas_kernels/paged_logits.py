@@ -168,29 +168,23 @@ def load_pages(cache_ref, bytes_ref, s: CacheStrides, pages, ok):
     return unpack_fp8_words_t(words), kscale
 
 
-DOT_FORMS = ("fp8", "f16", "f16-pools")
+DOT_FORMS = ("fp8", "f16")
 
 
 def pages_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int, dot: str = "fp8"):
     """[BN, G*P] f32 logits of G pages for the block's rows (no context masking):
-    the dot, scaled, ReLU, weighted sum over heads. Dot forms (``Tuning.dot``):
+    the dot [BN*Hp, 128] x [128, G*P], scaled, ReLU, weighted sum over heads.
 
-      "fp8"        [BN*Hp, 128] x [128, G*P] on the fp8 operands (the form verified on
-                   the H200 since session 1). Triton runs it as mma.sync on f16
-                   converted in registers: its wgmma path refuses fp8 with f32
-                   accumulation unless the dot allows imprecise accumulation, which the
-                   Pallas lowering does not set.
-      "f16"        the same dot on f16 operands (fp8 -> f16 is exact): wgmma where the
-                   dot has >= 64 rows and the program >= 4 warps (prefill blocks).
-      "f16-pools"  [G*P, 128] x [128, BN*Hp] on f16 operands, pools as the rows: wgmma
-                   at decode too (128 pool rows), the head sum along the columns.
+    Dot forms (``Tuning.dot``): "fp8" on the fp8 operands (the default), which
+    Triton runs as mma.sync on f16 converted in registers: its wgmma path refuses
+    fp8 with f32 accumulation unless the dot allows imprecise accumulation, which
+    the Pallas lowering does not set. "f16": the same dot on f16 operands (fp8 ->
+    f16 is exact), which Triton runs as wgmma where the dot has >= 64 rows and the
+    program >= 4 warps (prefill blocks). Session 11 on the H200: the fused kernel
+    at prefill 2-3 % faster with "f16"; at decode, pools as the wgmma's 128 rows
+    (f16 operands, 4 or 8 warps) took 1.45-1.76x longer than "fp8" at 2 warps
+    (58-79M instructions against 36.6M), so that form was dropped.
     """
-    if dot == "f16-pools":
-        gp = k8t.shape[1]
-        sc = jnp.dot(k8t.T.astype(jnp.float16), qb.q8.T.astype(jnp.float16),
-                     preferred_element_type=jnp.float32)                           # [G*P, BN*Hp]
-        sc = jnp.maximum(sc * kscale[:, None], 0.0) * qb.w[None, :]
-        return jnp.sum(sc.reshape(gp, bn, hp), axis=2).T                          # [BN, G*P]
     if dot == "f16":
         sc = jnp.dot(qb.q8.astype(jnp.float16), k8t.astype(jnp.float16),
                      preferred_element_type=jnp.float32)                           # [BN*Hp, G*P]

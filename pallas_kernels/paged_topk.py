@@ -13,11 +13,11 @@ buffers (keys/ids [buffer rows, CAP], counts) private to each program. The
 cache is not modified.
 
 Grid: (B, ceil(n / BN), splits). A program holds BN query rows of one request
-(their BN*Hp query rows are the M side of each fp8 dot, so the next_n rows of a
+(their BN*Hp query rows are the M side of each dot, so the next_n rows of a
 decode request share every page read) and one contiguous range of page-table
-columns. For each page (ids ascending) it computes the [BN, P] logits exactly as
-paged_logits does (``paged_logits.score_pages``, one page per chunk) and feeds them to the streaming
-selection of topk.py: a candidate is buffered only if it beats the row's current
+columns. For each step of `pages` page-table columns (ids ascending) it computes
+the [BN, pages*P] logits as paged_logits does (``paged_logits.score_pages``) and
+feeds them to the streaming selection of topk.py: a candidate is buffered only if it beats the row's current
 k-th best; the buffer is compacted (exact radix threshold search) when it could
 overflow. With one split the program sorts its k survivors and writes the ids;
 with several (long contexts over few rows, to occupy the GPU) each split keeps
@@ -45,6 +45,18 @@ from .paged_logits import (DOT_FORMS, cache_views, check_geometry, key_source, l
 from .strides import CacheStrides
 
 MAX_ROWS_PER_CALL = 8192
+# Program shape by the dot's rows (BN * Hp): (dot form, pages per step, warps). From 64
+# rows (prefill blocks: 4 rows x 32 heads) the f16 dot (wgmma) over 2 pages per step:
+# on the H200 (session 11, run 4, probe_fused.py, 8192 rows) 1.06x / 1.13x faster than
+# (fp8, 1, 4) at 32k / 128k context; 4 pages or 8 warps were 0.75-0.89x. Below 64 rows
+# (decode) the session-1 shape, not re-measured (decode takes the unfused path).
+PREFILL_SHAPE = ("f16", 2, 4)
+DECODE_SHAPE = ("fp8", 1, 4)
+
+
+def default_shape(dot_rows: int):
+    """(dot, pages, num_warps) of a program whose dot has `dot_rows` rows."""
+    return PREFILL_SHAPE if dot_rows >= 64 else DECODE_SHAPE
 
 
 def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
@@ -110,18 +122,24 @@ def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, int
 
 @functools.partial(jax.jit, static_argnames=("s", "k", "splits", "interpret", "dot", "pages", "num_warps"))
 def paged_topk(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, k: int, *,
-               splits=None, interpret=None, dot: str = "fp8", pages: int = 1, num_warps: int = 4):
+               splits=None, interpret=None, dot: str | None = None, pages: int | None = None,
+               num_warps: int | None = None):
     """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32
     (q-scale folded); page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
     Returns [B, n, k] i32 pool ids (score desc, id asc; -1 padded).
     `splits` overrides the number of programs sharing one row's pages; `dot` is the
     form of the logits dot (``paged_logits.DOT_FORMS``); `pages` the page-table columns
-    scored per step of the selection (a power of two), `num_warps` the program's warps."""
+    scored per step of the selection (a power of two), `num_warps` the program's warps;
+    each None: ``default_shape`` of the program's dot rows."""
+    b, n, hp, _ = q8.shape
+    d_dot, d_pages, d_warps = default_shape(rows_per_block(max(n, 1), hp) * hp)
+    dot = d_dot if dot is None else dot
+    pages = d_pages if pages is None else pages
+    num_warps = d_warps if num_warps is None else num_warps
     if dot not in DOT_FORMS:
         raise ValueError(f"paged_topk: dot must be one of {DOT_FORMS}, got {dot!r}")
     if pages not in (1, 2, 4, 8) or num_warps not in (1, 2, 4, 8):
         raise ValueError(f"paged_topk: pages and num_warps must be 1, 2, 4 or 8, got {pages}, {num_warps}")
-    b, n, hp, _ = q8.shape
     check_geometry(s, hp)
     if b == 0 or n == 0:
         return jnp.zeros((b, n, k), jnp.int32)

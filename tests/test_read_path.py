@@ -248,12 +248,12 @@ def test_paged_logits_key_sources(rng, case):
         assert_logits_match(out[True], out[False], np.asarray(ctx))
 
 
-@pytest.mark.parametrize("dot", ["f16", "f16-pools"])
 @pytest.mark.parametrize("case", LOGIT_CASES)
-def test_paged_logits_dot_forms(rng, case, dot):
-    """The f16 dot forms (wgmma on the GPU at 4 warps) give the reference's logits, and
+def test_paged_logits_f16_dot(rng, case):
+    """The f16 dot form (wgmma on the GPU at 4 warps) gives the reference's logits, and
     the fp8 form's to the same tolerance: fp8 -> f16 is exact, only the order of the
     f32 sums may differ."""
+    dot = "f16"
     from pallas_kernels.paged_logits import Tuning, paged_logits
     layout, s, (cache, _, _, q8, wf, table, ctx) = logits_case(rng, case)
     a = np.asarray(paged_logits(cache, s, q8, wf, table, ctx, tune=Tuning(num_warps=4, dot=dot)))
@@ -261,7 +261,7 @@ def test_paged_logits_dot_forms(rng, case, dot):
     assert_logits_match(a, want, np.asarray(ctx))
     assert_logits_match(a, np.asarray(paged_logits(cache, s, q8, wf, table, ctx)), np.asarray(ctx))
     with pytest.raises(ValueError, match="tuning"):
-        Tuning(dot="bf16")
+        Tuning(dot="f16-pools")
     from pallas_kernels.paged_topk import paged_topk
     with pytest.raises(ValueError, match="dot must be one of"):
         paged_topk(cache, s, q8, wf, table, ctx, 4, dot="bf16")
@@ -652,8 +652,9 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dot, pages, warps", [("fp8", 1, 4), ("f16", 1, 4), ("fp8", 2, 4), ("f16", 4, 8)],
-                         ids=["fp8", "f16", "fp8-2pages", "f16-4pages-8warps"])
+@pytest.mark.parametrize("dot, pages, warps", [(None, None, None), ("fp8", 1, 4), ("f16", 2, 4), ("fp8", 2, 4),
+                                               ("f16", 4, 8)],
+                         ids=["default", "fp8", "f16-2pages", "fp8-2pages", "f16-4pages-8warps"])
 @pytest.mark.parametrize("case", FUSED_CASES)
 def test_paged_topk_matches_reference(rng, case, dot, pages, warps):
     from pallas_kernels.paged_topk import paged_topk
@@ -673,6 +674,20 @@ def test_paged_topk_matches_reference(rng, case, dot, pages, warps):
     logits = ref_logits(cache, s, q8, wf, table, ctx).reshape(b * n, -1)
     want = np.asarray(ref_topk(logits, ctx.reshape(-1), k))
     assert_selection(got, want, logits, np.asarray(ctx).reshape(-1), k)
+
+
+def test_paged_topk_default_shape():
+    """Prefill-sized dots (>= 64 rows) take the f16 dot over 2 pages per step, decode-sized
+    ones the fp8 dot over 1 page; the defaults resolve to those shapes."""
+    from pallas_kernels import paged_topk as pt
+    assert pt.default_shape(128) == pt.PREFILL_SHAPE == ("f16", 2, 4)
+    assert pt.default_shape(64) == pt.PREFILL_SHAPE
+    assert pt.default_shape(32) == pt.DECODE_SHAPE == ("fp8", 1, 4)
+    with pytest.raises(ValueError, match="pages and num_warps"):
+        layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=2)
+        pt.paged_topk(jnp.zeros((layout.total_words,), jnp.uint32), layout.strides(0),
+                      jnp.zeros((1, 1, 32, 128), jnp.float8_e4m3fn), jnp.zeros((1, 1, 32)),
+                      jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), 4, pages=3)
 
 
 @pytest.mark.parametrize("splits", [1, 2])
