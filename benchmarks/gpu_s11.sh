@@ -17,7 +17,7 @@
 #                 dot form, pages per selection step, warps) at 32k and 128k prefill rows
 #   PART=final    the read-path tests compiled (test_read_path, test_bench_harness, test_gpu's read
 #                 tests) and test_serving, then trace_read.py (with torch.topk where PyTorch is
-#                 importable), then PART=prefill
+#                 importable), probe_logits.py at 4 rows (fp8 vs f16 dot), then PART=prefill
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -68,6 +68,9 @@ if [ "$PART" = final ]; then
   echo "rc=$?" >> "$OUT/pytest_final.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_final.log" | tail -12
   timeout "${TR_S:-200}" python3 benchmarks/trace_read.py > "$OUT/trace_read.txt" 2>&1
   echo "rc=$?" >> "$OUT/trace_read.txt"; grep -v "^W\|^I0" "$OUT/trace_read.txt" | tail -14
+  timeout 100 python3 benchmarks/probe_logits.py --rows 4 --context 32768 --variants 4:1:4:b,4:1:4:b:f16,2:1:4:b:f16 \
+    > "$OUT/probe_rows4.txt" 2>&1   # paged_logits at prefill-sized dots (the unfused path), fp8 vs f16
+  echo "rc=$?" >> "$OUT/probe_rows4.txt"; grep -v "^W\|^I0" "$OUT/probe_rows4.txt" | tail -8
 fi
 if [ "$PART" = prefill ] || [ "$PART" = trace ] || [ "$PART" = final ]; then
   timeout "${P_S:-400}" python3 benchmarks/bench_read.py --skip-decode --skip-topk --prefills ${PREFILLS:-32768 131072} \
