@@ -268,12 +268,15 @@ FUSED_MIN_ROWS = 64     # query rows per request from which select_tokens' defau
 def default_read_path(rows_per_request: int) -> str:
     """select_tokens' path when none is given: "unfused" for decode-sized row counts,
     "fused" from FUSED_MIN_ROWS rows per request (prefill chunks). Measured on the
-    H200 (docs/benchmarks.md): decode B = 64 x 128k, 1 row, unfused 161-163 us against
-    fused 423-428; prefill of one 32k request, fused 21.0 ms against unfused 150.3 ms
-    (session 9, run 4; unfused took 19.4 ms in an earlier session, so re-measure).
-    The fused path also never writes the logits to memory. Between 1 and 32k rows
-    the crossover is not measured; 64 is a guess that keeps decode and speculative
-    decode (next_n <= 8) unfused."""
+    H200 (docs/benchmarks.md): decode B = 64 x 128k, 1 row, unfused 160-163 us against
+    fused 423-428. Prefill of one request (session 11, run 2, before the fused
+    kernel's f16 / 2-page shape): 32k tokens fused 21.0 ms, unfused 24.6; 128k tokens
+    fused 216.8 ms, unfused 169.5. So at 128k the unfused path is faster, but it
+    writes every chunk's logits to memory (512 MiB at a time) and reads them back;
+    the fused path never writes logits, which is what a long prefill is asked to
+    do, so prefill stays fused. Pass path="unfused" to trade that memory traffic
+    for speed at long contexts. Between 1 and 32k rows the crossover is not
+    measured; 64 keeps decode and speculative decode (next_n <= 8) unfused."""
     return "fused" if rows_per_request >= FUSED_MIN_ROWS else "unfused"
 
 

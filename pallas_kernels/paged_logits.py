@@ -50,6 +50,8 @@ SMALL_DOT_ROWS = 32         # up to this many dot rows (decode, one query row of
 SMALL_DOT_WARPS = 2         # (ncu at B = 64 x 128k: 104-108 us against 111-122 us at 4 warps,
                             # sessions 9 and 10; at 128 rows 2 warps took 2.2x longer)
 MAX_DOT_ROWS = 128          # BN * Hp: query rows per program times padded heads
+WGMMA_DOT_ROWS = 64         # from this many dot rows the f16 dot (wgmma): 4 rows x 32 heads at
+                            # 4 pages x 4 warps 1.06x the fp8 dot (session 11, run 5)
 
 
 def _iota(shape, dim):
@@ -239,7 +241,7 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
         def _score():
             lg, _, _ = score_pages(cache_ref, bytes_ref, table_ref, s, qb, b, col0, col0 < need,
                                    n_pages=tune.pages_per_step, bn=bn, hp=hp, max_pages=max_pages,
-                                   dot=tune.dot)
+                                   dot=tune.dot_for(bn * hp))
             B.scatter(out_ref, rows2, pools, lg, store_ok)
 
         @B.when(col0 >= need)
@@ -256,16 +258,16 @@ class Tuning:
     """Launch shape of the logits kernel: a program walks `steps` steps of
     `pages_per_step` page-table columns each (all pages of a step are gathered at
     once). Chosen by ``benchmarks/bench_read.py --sweep`` on the H200. num_warps
-    None: by the dot's rows (``warps_for``)."""
+    and dot None: by the dot's rows (``warps_for``, ``dot_for``)."""
     pages_per_step: int = PAGES_PER_STEP
     steps: int = STEPS
     num_warps: int | None = None
     byte_view: bool | None = None       # keys through the byte view: None = wherever safe (key_source)
-    dot: str = "fp8"                    # the dot's form (pages_logits, DOT_FORMS)
+    dot: str | None = None              # the dot's form (pages_logits, DOT_FORMS)
 
     def __post_init__(self):
         if (self.pages_per_step not in (1, 2, 4, 8, 16) or self.steps < 1
-                or self.num_warps not in (None, 1, 2, 4, 8) or self.dot not in DOT_FORMS):
+                or self.num_warps not in (None, 1, 2, 4, 8) or self.dot not in (None,) + DOT_FORMS):
             raise ValueError(f"bad paged_logits tuning {self}")
 
     def warps_for(self, dot_rows: int) -> int:
@@ -274,6 +276,13 @@ class Tuning:
         if self.num_warps is not None:
             return self.num_warps
         return SMALL_DOT_WARPS if dot_rows <= SMALL_DOT_ROWS else NUM_WARPS
+
+    def dot_for(self, dot_rows: int) -> str:
+        """The dot's form: `dot` if set, else "f16" (wgmma) from WGMMA_DOT_ROWS rows,
+        "fp8" below (decode)."""
+        if self.dot is not None:
+            return self.dot
+        return "f16" if dot_rows >= WGMMA_DOT_ROWS else "fp8"
 
 
 @functools.partial(jax.jit, static_argnames=("s", "interpret", "tune"))

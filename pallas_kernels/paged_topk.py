@@ -40,13 +40,13 @@ import jax.numpy as jnp
 from . import _backend as B
 from . import numerics as nm
 from . import topk as tk
-from .paged_logits import (DOT_FORMS, cache_views, check_geometry, key_source, load_query_block,
-                           rows_per_block, score_pages)
+from .paged_logits import (DOT_FORMS, WGMMA_DOT_ROWS, cache_views, check_geometry, key_source,
+                           load_query_block, rows_per_block, score_pages)
 from .strides import CacheStrides
 
 MAX_ROWS_PER_CALL = 8192
-# Program shape by the dot's rows (BN * Hp): (dot form, pages per step, warps). From 64
-# rows (prefill blocks: 4 rows x 32 heads) the f16 dot (wgmma) over 2 pages per step:
+# Program shape by the dot's rows (BN * Hp): (dot form, pages per step, warps). From
+# WGMMA_DOT_ROWS = 64 rows (prefill blocks: 4 rows x 32 heads) the f16 dot (wgmma) over 2 pages per step:
 # on the H200 (session 11, run 4, probe_fused.py, 8192 rows) 1.06x / 1.13x faster than
 # (fp8, 1, 4) at 32k / 128k context; 4 pages or 8 warps were 0.75-0.89x. Below 64 rows
 # (decode) the session-1 shape, not re-measured (decode takes the unfused path).
@@ -56,7 +56,7 @@ DECODE_SHAPE = ("fp8", 1, 4)
 
 def default_shape(dot_rows: int):
     """(dot, pages, num_warps) of a program whose dot has `dot_rows` rows."""
-    return PREFILL_SHAPE if dot_rows >= 64 else DECODE_SHAPE
+    return PREFILL_SHAPE if dot_rows >= WGMMA_DOT_ROWS else DECODE_SHAPE
 
 
 def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,

@@ -267,6 +267,16 @@ def test_paged_logits_f16_dot(rng, case):
         paged_topk(cache, s, q8, wf, table, ctx, 4, dot="bf16")
 
 
+def test_paged_logits_default_dot_by_rows():
+    """The f16 dot (wgmma) from 64 dot rows (prefill blocks), fp8 below (decode); an
+    explicit form wins."""
+    from pallas_kernels.paged_logits import WGMMA_DOT_ROWS, Tuning
+    assert WGMMA_DOT_ROWS == 64
+    assert Tuning().dot_for(128) == Tuning().dot_for(64) == "f16"
+    assert Tuning().dot_for(32) == "fp8"
+    assert Tuning(dot="fp8").dot_for(128) == "fp8" and Tuning(dot="f16").dot_for(32) == "f16"
+
+
 def test_byte_view_offset_rule():
     """The byte view is used only where the backend indexes every byte correctly:
     at most 2 GiB, or more than 4 GiB (64-bit offsets)."""
