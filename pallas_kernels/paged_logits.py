@@ -51,7 +51,7 @@ SMALL_DOT_WARPS = 2         # (ncu at B = 64 x 128k: 104-108 us against 111-122 
                             # sessions 9 and 10; at 128 rows 2 warps took 2.2x longer)
 MAX_DOT_ROWS = 128          # BN * Hp: query rows per program times padded heads
 WGMMA_DOT_ROWS = 64         # from this many dot rows the f16 dot (wgmma): 4 rows x 32 heads at
-                            # 4 pages x 4 warps 1.06x the fp8 dot (session 11, run 5)
+                            # 4 pages x 4 warps 1.06x / 1.03x the fp8 dot (session 11, runs 5-6)
 
 
 def _iota(shape, dim):
@@ -177,15 +177,15 @@ def pages_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int, dot: str = "f
     """[BN, G*P] f32 logits of G pages for the block's rows (no context masking):
     the dot [BN*Hp, 128] x [128, G*P], scaled, ReLU, weighted sum over heads.
 
-    Dot forms (``Tuning.dot``): "fp8" on the fp8 operands (the default), which
-    Triton runs as mma.sync on f16 converted in registers: its wgmma path refuses
-    fp8 with f32 accumulation unless the dot allows imprecise accumulation, which
-    the Pallas lowering does not set. "f16": the same dot on f16 operands (fp8 ->
-    f16 is exact), which Triton runs as wgmma where the dot has >= 64 rows and the
-    program >= 4 warps (prefill blocks). Session 11 on the H200: the fused kernel
-    at prefill 2-3 % faster with "f16"; at decode, pools as the wgmma's 128 rows
-    (f16 operands, 4 or 8 warps) took 1.45-1.76x longer than "fp8" at 2 warps
-    (58-79M instructions against 36.6M), so that form was dropped.
+    Dot forms (``Tuning.dot_for``: "fp8" below WGMMA_DOT_ROWS dot rows, "f16" from
+    there): "fp8" on the fp8 operands, which Triton runs as mma.sync on f16
+    converted in registers: its wgmma path refuses fp8 with f32 accumulation unless
+    the dot allows imprecise accumulation, which the Pallas lowering does not set.
+    "f16": the same dot on f16 operands (fp8 -> f16 is exact), which Triton runs as
+    wgmma where the dot has >= 64 rows and the program >= 4 warps (prefill blocks;
+    1.03-1.06x at 4 rows x 32 heads, session 11). At decode, pools as the wgmma's
+    128 rows (f16 operands, 4 or 8 warps) took 1.45-1.76x longer than "fp8" at 2
+    warps (58-79M instructions against 36.6M), so that form was dropped.
     """
     if dot == "f16":
         sc = jnp.dot(qb.q8.astype(jnp.float16), k8t.astype(jnp.float16),

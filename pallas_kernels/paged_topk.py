@@ -17,9 +17,9 @@ Grid: (B, ceil(n / BN), splits). A program holds BN query rows of one request
 decode request share every page read) and one contiguous range of page-table
 columns. For each step of `pages` page-table columns (ids ascending) it computes
 the [BN, pages*P] logits as paged_logits does (``paged_logits.score_pages``) and
-feeds them to the streaming selection of topk.py: a candidate is buffered only if it beats the row's current
-k-th best; the buffer is compacted (exact radix threshold search) when it could
-overflow. With one split the program sorts its k survivors and writes the ids;
+feeds them to the streaming selection of topk.py: a candidate is buffered only if
+it beats the row's current k-th best; the buffer is compacted (exact radix
+threshold search) when it could overflow. With one split the program sorts its k survivors and writes the ids;
 with several (long contexts over few rows, to occupy the GPU) each split keeps
 its exact top-k survivors and a merge pass (topk.merge_candidates) streams them
 in split order through the same selection. A split spans at least
@@ -46,10 +46,11 @@ from .strides import CacheStrides
 
 MAX_ROWS_PER_CALL = 8192
 # Program shape by the dot's rows (BN * Hp): (dot form, pages per step, warps). From
-# WGMMA_DOT_ROWS = 64 rows (prefill blocks: 4 rows x 32 heads) the f16 dot (wgmma) over 2 pages per step:
-# on the H200 (session 11, run 4, probe_fused.py, 8192 rows) 1.06x / 1.13x faster than
-# (fp8, 1, 4) at 32k / 128k context; 4 pages or 8 warps were 0.75-0.89x. Below 64 rows
-# (decode) the session-1 shape, not re-measured (decode takes the unfused path).
+# WGMMA_DOT_ROWS = 64 rows (prefill blocks: 4 rows x 32 heads) the f16 dot (wgmma) over
+# 2 pages per step: on the H200 (session 11, run 4, probe_fused.py, 8192 rows) 1.06x /
+# 1.13x faster than (fp8, 1, 4) at 32k / 128k context; 4 pages or 8 warps 0.71-0.89x.
+# Below 64 rows (decode) the session-1 shape, not re-measured (decode takes the
+# unfused path).
 PREFILL_SHAPE = ("f16", 2, 4)
 DECODE_SHAPE = ("fp8", 1, 4)
 
