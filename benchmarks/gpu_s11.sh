@@ -18,6 +18,7 @@
 #   PART=final    the read-path tests compiled (test_read_path, test_bench_harness, test_gpu's read
 #                 tests) and test_serving, then trace_read.py (with torch.topk where PyTorch is
 #                 importable), probe_logits.py at 4 rows (fp8 vs f16 dot), then PART=prefill
+#   PART=writes   bench_writes.py --impls pallas,xla (the write kernels, unchanged since session 8)
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -98,4 +99,9 @@ if [ "$PART" = fused ]; then
       > "$OUT/probe_fused_$c.txt" 2>&1
     echo "rc=$?" >> "$OUT/probe_fused_$c.txt"; grep -v "^W\|^I0" "$OUT/probe_fused_$c.txt" | tail -12
   done
+fi
+if [ "$PART" = writes ]; then
+  timeout "${W_S:-420}" python3 benchmarks/bench_writes.py --impls pallas,xla --json "$OUT/bench_writes.json" \
+    > "$OUT/bench_writes.txt" 2>&1
+  echo "rc=$?" >> "$OUT/bench_writes.txt"; grep -v "^W\|^I0" "$OUT/bench_writes.txt" | tail -30
 fi
