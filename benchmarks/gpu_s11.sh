@@ -19,6 +19,8 @@
 #                 tests) and test_serving, then trace_read.py (with torch.topk where PyTorch is
 #                 importable), probe_logits.py at 4 rows (fp8 vs f16 dot), then PART=prefill
 #   PART=writes   bench_writes.py --impls pallas,xla (the write kernels, unchanged since session 8)
+#   PART=matrix   trace_read.py over the decode matrix B in {1, 16, 64} x {32k, 128k, 1M} tokens,
+#                 Pallas and the XLA reference traced the same way (no top-k rows)
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -104,4 +106,9 @@ if [ "$PART" = writes ]; then
   timeout "${W_S:-420}" python3 benchmarks/bench_writes.py --impls pallas,xla --json "$OUT/bench_writes.json" \
     > "$OUT/bench_writes.txt" 2>&1
   echo "rc=$?" >> "$OUT/bench_writes.txt"; grep -v "^W\|^I0" "$OUT/bench_writes.txt" | tail -30
+fi
+if [ "$PART" = matrix ]; then
+  timeout "${M_S:-420}" python3 benchmarks/trace_read.py --batches 1 16 64 --contexts 32768 131072 1048576 --xla \
+    --skip-topk > "$OUT/trace_matrix.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_matrix.txt"; grep -v "^W\|^I0" "$OUT/trace_matrix.txt" | tail -24
 fi

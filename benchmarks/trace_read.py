@@ -1,7 +1,7 @@
 """Device time of one read-path call, read from a profiler trace: no timing harness inside.
 
-Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 20] [--batch 64]
-                      [--context 131072] [--topk-cols 131072]
+Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 20] [--batches 64]
+                      [--contexts 131072] [--xla] [--topk-cols 131072] [--skip-topk]
 
 bench_read.py times calls chained in one jit, each made to depend on the last by a
 small perturbation of its inputs. Those perturbations are kernels too: its
@@ -19,7 +19,8 @@ events of a jax profiler trace (``jax.profiler.ProfileData``), per call:
 
 Reported: the median over --calls calls, the kernels per call, and ratios measured
 in the same run: decode span / the bandwidth floor (35 B per context token at the
-copy bandwidth measured now), top-k span / the span of lax.top_k and / the time
+copy bandwidth measured now) for every --batches x --contexts case (with --xla also
+the XLA reference's select_tokens traced the same way, and its span over ours), top-k span / the span of lax.top_k and / the time
 to read the scores once (an XLA max, traced the same way), and, where PyTorch
 with CUDA is importable (the H200 image has it), torch.topk on the same scores
 timed with CUDA events over 50 back-to-back calls (its launches queued ahead the
@@ -164,9 +165,12 @@ def torch_topk_us(x, k: int, calls: int = 50, trials: int = 5):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=131072, help="decode context tokens")
+    ap.add_argument("--batches", type=int, nargs="+", default=[64], help="decode requests")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[131072], help="decode context tokens")
+    ap.add_argument("--xla", action="store_true", help="also trace the XLA reference's decode select_tokens")
+    ap.add_argument("--topk-rows", type=int, default=64)
     ap.add_argument("--topk-cols", type=int, default=131072)
+    ap.add_argument("--skip-topk", action="store_true")
     a = ap.parse_args(argv)
     cfg = IndexerConfig()
     bw = copy_bandwidth()
@@ -175,19 +179,30 @@ def main(argv=None):
     print(f"copy bandwidth measured now: {bw / 1e12:.3f} TB/s; {a.calls} calls per row, each behind a busy kernel")
     rows = []
 
-    layout, cache, table, key, heads = br.read_case(cfg, a.batch, a.context)
-    q8, w = br.queries(key, a.batch, 1, heads)
-    pos = jnp.full((a.batch, 1), a.context - 1, jnp.int32)
-    floor_us = br.FLOOR_BYTES_PER_TOKEN * a.context * a.batch / bw * 1e6
-    sel = jax.jit(br.selectors(layout, False)["pallas unfused"])
-    s = summarize(trace_calls(sel, (cache, q8, w, table, pos), a.calls, busy, busy_arg))
-    rows.append((f"decode B={a.batch} ctx={a.context // 1024}k", "select_tokens (default: unfused)", s,
-                 f"{s['span_us'] / floor_us:.2f}x floor ({floor_us:.1f} us)"))
-    del cache
+    for batch in a.batches:
+        for ctx in a.contexts:
+            layout, cache, table, key, heads = br.read_case(cfg, batch, ctx)
+            q8, w = br.queries(key, batch, 1, heads)
+            pos = jnp.full((batch, 1), ctx - 1, jnp.int32)
+            floor_us = br.FLOOR_BYTES_PER_TOKEN * ctx * batch / bw * 1e6
+            sels = br.selectors(layout, False)
+            case = f"decode B={batch} ctx={ctx // 1024}k"
+            s = summarize(trace_calls(jax.jit(sels["pallas unfused"]), (cache, q8, w, table, pos), a.calls, busy,
+                                      busy_arg))
+            ratio = f"{s['span_us'] / floor_us:.2f}x floor ({floor_us:.1f} us)"
+            if a.xla:
+                x_s = summarize(trace_calls(jax.jit(sels["xla"]), (cache, q8, w, table, pos), a.calls, busy,
+                                            busy_arg))
+                ratio += f", {x_s['span_us'] / s['span_us']:.2f}x XLA"
+                rows.append((case, "select_tokens (XLA reference)", x_s, f"{x_s['span_us'] / floor_us:.2f}x floor"))
+            rows.append((case, "select_tokens (default: unfused)", s, ratio))
+            del cache
+    if a.skip_topk:
+        return print_rows(rows)
 
     n, k = a.topk_cols, cfg.topk_pools
-    x = jax.random.normal(jax.random.PRNGKey(7), (a.batch, n), jnp.float32)
-    lengths = jnp.full((a.batch,), n, jnp.int32)
+    x = jax.random.normal(jax.random.PRNGKey(7), (a.topk_rows, n), jnp.float32)
+    lengths = jnp.full((a.topk_rows,), n, jnp.int32)
     fns = {"pallas topk_pools": jax.jit(lambda x, l: ops.topk_pools(x, l, k, implementation="pallas")),
            "lax.top_k": jax.jit(lambda x, l: lax.top_k(br.masked(x, l), k)[1]),
            "read the scores once (XLA max)": jax.jit(lambda x, l: jnp.max(br.masked(x, l), axis=1))}
@@ -199,9 +214,12 @@ def main(argv=None):
                                                calls=50, order=[], per_kernel_us=[])
     for name, s in res.items():
         vs_torch = f", {t_us / s['span_us']:.2f}x torch.topk" if t_us is not None else ""
-        rows.append((f"topk [{a.batch}, {n}] k={k}", name, s,
+        rows.append((f"topk [{a.topk_rows}, {n}] k={k}", name, s,
                      f"{base / s['span_us']:.2f}x lax.top_k{vs_torch}, {s['span_us'] / once:.2f}x one read"))
+    print_rows(rows)
 
+
+def print_rows(rows):
     print(f"\n{'case':<24}{'implementation':<34}{'span us':>9}{'kernels us':>11}{'gaps us':>9}{'kernels':>8}  ratios")
     print("-" * 120)
     for case, impl, s, ratio in rows:
