@@ -20,7 +20,8 @@
 #                 importable), probe_logits.py at 4 rows (fp8 vs f16 dot), then PART=prefill
 #   PART=writes   bench_writes.py --impls pallas,xla (the write kernels, unchanged since session 8)
 #   PART=matrix   trace_read.py over the decode matrix B in {1, 16, 64} x {32k, 128k, 1M} tokens,
-#                 Pallas and the XLA reference traced the same way (no top-k rows)
+#                 Pallas and the XLA reference traced the same way (no top-k rows); then Nsight
+#                 Compute of one call of each op (profile_kernels.py: the write kernels' device time)
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -111,4 +112,8 @@ if [ "$PART" = matrix ]; then
   timeout "${M_S:-420}" python3 benchmarks/trace_read.py --batches 1 16 64 --contexts 32768 131072 1048576 --xla \
     --skip-topk > "$OUT/trace_matrix.txt" 2>&1
   echo "rc=$?" >> "$OUT/trace_matrix.txt"; grep -v "^W\|^I0" "$OUT/trace_matrix.txt" | tail -24
+  timeout "${N_S:-130}" "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --profile-from-start off --cache-control none \
+    --clock-control none --metrics gpu__time_duration.sum,launch__grid_size,smsp__inst_executed.sum --csv \
+    env PYTHONPATH="$PYTHONPATH" python3 benchmarks/profile_kernels.py > "$OUT/ncu_ops.csv" 2> "$OUT/ncu_ops_err.txt"
+  python3 benchmarks/_ncu_table.py "$OUT/ncu_ops.csv" | tee "$OUT/ncu_ops.txt"
 fi
