@@ -134,6 +134,7 @@ def main(argv=None):
     ap.add_argument("--impls", default="pallas,triton,xla",
                     help="comma-separated implementations to time (default: pallas,triton,xla)")
     ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode update cases")
     a = ap.parse_args(argv)
     impls = runnable_impls([s.strip() for s in a.impls.split(",") if s.strip()])
     rng = np.random.default_rng(0)
@@ -154,7 +155,7 @@ def main(argv=None):
     for b in ((4,) if a.quick else (256, 64, 1)):
         for n in (1, 4):
             add(bench_decode(rng, b, n, reps_latency, impls, reps))
-        if b == 256 or a.quick:
+        if (b == 256 or a.quick) and not a.decode_only:
             for total in ((1024,) if a.quick else (32768, 131072, 4096)):
                 add(bench_prefill(rng, total, 4 if a.quick else 64, reps, impls, reps_latency))
     order = {("decode_update", c): i for i, c in enumerate(

@@ -22,6 +22,8 @@
 #   PART=matrix   trace_read.py over the decode matrix B in {1, 16, 64} x {32k, 128k, 1M} tokens,
 #                 Pallas and the XLA reference traced the same way (no top-k rows); then Nsight
 #                 Compute of one call of each op (profile_kernels.py: the write kernels' device time)
+#   PART=decode   the write tests compiled (test_write_kernels, test_gpu's write tests: in place, 3 / 5
+#                 GiB caches, out-of-range slots) and bench_writes.py --decode-only --impls pallas,xla
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -116,4 +118,12 @@ if [ "$PART" = matrix ]; then
     --clock-control none --metrics gpu__time_duration.sum,launch__grid_size,smsp__inst_executed.sum --csv \
     env PYTHONPATH="$PYTHONPATH" python3 benchmarks/profile_kernels.py > "$OUT/ncu_ops.csv" 2> "$OUT/ncu_ops_err.txt"
   python3 benchmarks/_ncu_table.py "$OUT/ncu_ops.csv" | tee "$OUT/ncu_ops.txt"
+fi
+if [ "$PART" = decode ]; then
+  timeout "${T_S:-200}" python3 -m pytest -v -p no:cacheprovider -n 6 -rfE tests/test_write_kernels.py \
+    tests/test_gpu.py -k "not reads and not read_path and not byte_view and not ordered and not attention" \
+    > "$OUT/pytest_writes.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_writes.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_writes.log" | tail -10
+  timeout "${W_S:-120}" python3 benchmarks/bench_writes.py --impls pallas,xla --decode-only > "$OUT/bench_decode.txt" 2>&1
+  echo "rc=$?" >> "$OUT/bench_decode.txt"; grep -v "^W\|^I0" "$OUT/bench_decode.txt" | tail -16
 fi

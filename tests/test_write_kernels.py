@@ -48,3 +48,26 @@ def test_padded_stride_regression_kernel(rng, fault):
     """Spec B1 through the Pallas seed kernel (see write_cases.check_padded_stride)."""
     from pallas_kernels.tail_seed import seed_tail as kernel
     check_padded_stride(rng, kernel, fault)
+
+
+def test_decode_update_moves_row_bits_exactly(rng):
+    """The decode kernel picks each token's key / gate row out of the rows it loaded up
+    front; -0.0, subnormal and extreme bf16 values must reach the ring (and the pool they
+    complete) bit for bit, as through the reference."""
+    cfg, lay = CASES[1].values                                  # ring of 2 x kpool, 3 layers
+    layout, sc, pre, steps, _ = random_workload(rng, cfg, lay)
+    special = np.array([-0.0, 0.0, 1e-40, -1e-40, 65504.0, -448.0, 2.0**-133, 1.0], np.float32)
+    for st in steps:
+        for name in ("key", "gate"):
+            a = np.asarray(st[name], np.float32)
+            live = np.asarray(st["positions"]) >= 0
+            pick = rng.integers(0, special.size, size=a.shape)
+            a = np.where(live[..., None] & (rng.random(a.shape) < 0.3), special[pick], a)
+            if name == "gate":                                  # keep the softmax finite
+                a = np.clip(a, -60.0, 60.0)
+            st[name] = a.astype(st[name].dtype)
+    ref_cache, ref_snaps = run_writes(ops_writers("xla"), layout, lay["layer"], sc, pre, steps)
+    _, pal_snaps = run_writes(ops_writers("pallas"), layout, lay["layer"], sc, pre, steps)
+    assert_same_snapshots(ref_snaps, pal_snaps)
+    neg_zero = np.asarray(steps[0]["key"]).view(np.uint16) == 0x8000
+    assert neg_zero.any(), "the case must hold -0.0 keys"
