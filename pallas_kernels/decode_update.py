@@ -29,8 +29,8 @@ from .strides import CacheStrides
 
 
 def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
-            s: CacheStrides, n: int, n_p2: int, interpret: bool):
-    # pos_ref, slot_ref, tslot_ref: [B, n] i32; key_ref, gate_ref: [B*n, 128] bf16;
+            s: CacheStrides, n: int, interpret: bool):
+    # pos_ref, slot_ref, tslot_ref: [B, n] i32; key_ref, gate_ref: [B, n, 128] bf16;
     # ape_ref: [R, 128] f32; tab_ref: [1, 64] f32 (numerics.EXP_TABLE); cache_ref: [rows, 1024] u32
     r = s.kpool
     b = B.program_id(0)
@@ -42,30 +42,10 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _
         rr, cc = addr.split_word(s, addr.tail_row_words(s, blk, ring_slot, half) + w64)
         return nm.unpack_bf16_words(B.gather(cache_ref, rr, cc))
 
-    # every token's metadata and key / gate row, loaded once before the walk: inside the
-    # loop each token would wait for its own loads (a dependent round trip per token)
-    tn = lax.broadcasted_iota(jnp.int32, (n_p2,), 0)                                # [NP2]
-    t_in = jnp.minimum(tn, n - 1)
-    pos_all = B.gather(pos_ref, b + 0 * tn, t_in)                                   # [NP2] i32
-    tslot_all = B.gather(tslot_ref, b + 0 * tn, t_in)
-    slot_all = B.gather(slot_ref, b + 0 * tn, t_in)
-    d128 = lax.broadcasted_iota(jnp.int32, (n_p2, nm.HEAD_DIM), 1)
-    rows_all = (b * n + t_in)[:, None] + 0 * d128                                   # [NP2, 128]
-    key_all, gate_all = (lax.bitcast_convert_type(B.gather(ref, rows_all, d128), jnp.uint16).astype(jnp.int32)
-                         for ref in (key_ref, gate_ref))                            # [NP2, 128] bf16 bits
-
-    def pick(vec, t):                                                               # vec[t], exact
-        return jnp.sum(jnp.where(tn == t, vec, 0))
-
-    def pick_row(bits, t):                  # row t as bf16, its bits moved as integers (so -0.0 stays)
-        row = jnp.sum(jnp.where((tn == t)[:, None], bits, 0), axis=0)
-        return lax.bitcast_convert_type(row.astype(jnp.uint16), jnp.bfloat16)
-
     def token(t, carry):
-        pos = pick(pos_all, t)
-        tslot = pick(tslot_all, t)
-        loc = pick(slot_all, t)
-        key_t, gate_t = pick_row(key_all, t), pick_row(gate_all, t)
+        pos = pos_ref[b, t]
+        tslot = tslot_ref[b, t]
+        loc = slot_ref[b, t]
         blk = addr.tail_block(s, tslot)                     # this token's own block (bug B4)
         live = pos >= 0
         pos_c = jnp.maximum(pos, 0)
@@ -77,8 +57,8 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _
             first = pos_c - (r - 1)
             keys = [ring_row(blk, (first + j) % s.ring, 0) for j in range(r - 1)]
             gates = [ring_row(blk, (first + j) % s.ring, 1) for j in range(r - 1)]
-            keys.append(key_t)
-            gates.append(gate_t)
+            keys.append(key_ref[b, t, :])
+            gates.append(gate_ref[b, t, :])
             q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))  # [128] fp8, []
             rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w32)
             B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), w32 >= 0)
@@ -89,9 +69,9 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _
 
         @B.when(live & addr.tail_slot_valid(s, tslot))
         def _stash():                                       # gated on the tail slot (bug B3)
-            for half, row in ((0, key_t), (1, gate_t)):
+            for half, src in ((0, key_ref), (1, gate_ref)):
                 rr, cc = addr.split_word(s, addr.tail_row_words(s, blk, pos_c % s.ring, half) + w64)
-                B.scatter(cache_ref, rr, cc, nm.pack_bf16_words(row), w64 >= 0)
+                B.scatter(cache_ref, rr, cc, nm.pack_bf16_words(src[b, t, :]), w64 >= 0)
 
         return carry
 
@@ -113,12 +93,11 @@ def decode_update(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, p
     view = cache.reshape(addr.view_shape(s))
     interpret = B.resolve_interpret(interpret)
     out = B.pallas_call(
-        functools.partial(_kernel, s=s, n=n, n_p2=1 << (n - 1).bit_length(), interpret=interpret),
+        functools.partial(_kernel, s=s, n=n, interpret=interpret),
         grid=(b,),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
         input_output_aliases={7: 0},
         interpret=interpret, name="kpool_decode_update", num_warps=num_warps,
     )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), tslot.astype(jnp.int32),
-      key.astype(jnp.bfloat16).reshape(b * n, nm.HEAD_DIM), gate.astype(jnp.bfloat16).reshape(b * n, nm.HEAD_DIM),
-      ape.astype(jnp.float32), nm.exp_table_input(), view)
+      key.astype(jnp.bfloat16), gate.astype(jnp.bfloat16), ape.astype(jnp.float32), nm.exp_table_input(), view)
     return out.reshape(-1)

@@ -51,9 +51,10 @@ def test_padded_stride_regression_kernel(rng, fault):
 
 
 def test_decode_update_moves_row_bits_exactly(rng):
-    """The decode kernel picks each token's key / gate row out of the rows it loaded up
-    front; -0.0, subnormal and extreme bf16 values must reach the ring (and the pool they
-    complete) bit for bit, as through the reference."""
+    """-0.0, subnormal and large bf16 key / gate values reach the ring (and the pools they
+    complete) bit for bit, as through the reference. (A kernel that moved rows as floats,
+    e.g. picking a row out of a tile with a sum, would turn -0.0 into +0.0: session 11's
+    prefetching variant did until it moved the bits as integers.)"""
     cfg, lay = CASES[1].values                                  # ring of 2 x kpool, 3 layers
     layout, sc, pre, steps, _ = random_workload(rng, cfg, lay)
     special = np.array([-0.0, 0.0, 1e-40, -1e-40, 65504.0, -448.0, 2.0**-133, 1.0], np.float32)
