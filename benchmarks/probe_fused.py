@@ -38,7 +38,7 @@ def main(argv=None):
     layout, cache, table, key, heads = br.read_case(cfg, 1, a.context)
     q8, w = br.queries(key, 1, a.rows, heads)
     pos = a.context - a.rows + jnp.arange(a.rows, dtype=jnp.int32)[None, :]
-    ctx = (pos + 1) // cfg.kpool
+    ctx_pools = (pos + 1) // cfg.kpool
     s, k = layout.strides(0), cfg.topk_pools
     forms = a.variants.split(",")
 
@@ -49,13 +49,13 @@ def main(argv=None):
     fns = {f: variant(f) for f in forms}
     first = None
     for f, fn in fns.items():
-        ids = np.asarray(jax.block_until_ready(fn(cache, q8, w, table, ctx)))
+        ids = np.asarray(jax.block_until_ready(fn(cache, q8, w, table, ctx_pools)))
         first = ids if first is None else first
         same = np.array_equal(np.sort(ids, axis=-1), np.sort(first, axis=-1))
         print(f"check {f:<10} same id sets as {forms[0]}: {same}", flush=True)
         if not same:
             raise SystemExit(f"variant {f} selects other pools than {forms[0]}")
-    res = {f: br.time_read(fn, (cache, q8, w, table, ctx), a.reps, a.trials, fixed=1) for f, fn in fns.items()}
+    res = {f: br.time_read(fn, (cache, q8, w, table, ctx_pools), a.reps, a.trials, fixed=1) for f, fn in fns.items()}
     print(f"\nfused paged_topk, 1 request x {a.context // 1024}k tokens, its last {a.rows} rows")
     for f, t in res.items():
         print(f"  {f:<12} {t * 1e3:9.2f} ms/call   {res[forms[0]] / t:5.2f}x {forms[0]}")

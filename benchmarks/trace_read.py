@@ -180,13 +180,13 @@ def main(argv=None):
     rows = []
 
     for batch in a.batches:
-        for ctx in a.contexts:
-            layout, cache, table, key, heads = br.read_case(cfg, batch, ctx)
+        for ctx_tokens in a.contexts:
+            layout, cache, table, key, heads = br.read_case(cfg, batch, ctx_tokens)
             q8, w = br.queries(key, batch, 1, heads)
-            pos = jnp.full((batch, 1), ctx - 1, jnp.int32)
-            floor_us = br.FLOOR_BYTES_PER_TOKEN * ctx * batch / bw * 1e6
+            pos = jnp.full((batch, 1), ctx_tokens - 1, jnp.int32)
+            floor_us = br.FLOOR_BYTES_PER_TOKEN * ctx_tokens * batch / bw * 1e6
             sels = br.selectors(layout, False)
-            case = f"decode B={batch} ctx={ctx // 1024}k"
+            case = f"decode B={batch} ctx={ctx_tokens // 1024}k"
             s = summarize(trace_calls(jax.jit(sels["pallas unfused"]), (cache, q8, w, table, pos), a.calls, busy,
                                       busy_arg))
             ratio = f"{s['span_us'] / floor_us:.2f}x floor ({floor_us:.1f} us)"

@@ -487,9 +487,10 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     kernel on bounded chunks of query rows; ``path="fused"`` runs the fused logits
     -> top-k kernel (paged_topk.py), which never writes logits to memory at all.
     Both finish with the expansion kernel. ``path=None`` (the default) picks by the
-    query rows per request (``default_read_path``): unfused for decode, fused for
-    prefill chunks of FUSED_MIN_ROWS rows or more, the faster of the two in the H200
-    measurements (docs/benchmarks.md).
+    query rows per request (``default_read_path``): unfused for decode (the faster
+    there), fused for prefill chunks of FUSED_MIN_ROWS rows or more (faster at 32k
+    tokens; at 128k the unfused path is 1.2x faster but writes and re-reads the
+    logits, see ``default_read_path``; docs/benchmarks.md).
     """
     op = "select_tokens"
     q8, weights, (b, n, hp) = _check_read_inputs(op, cache, layout, q8, weights, page_table_pages,

@@ -14,10 +14,11 @@ Grid: (B, ceil(n / BN), ceil(max_pages / (pages_per_step * steps))). A program
 holds BN query rows of one request (the next_n rows of a decode request share
 every page read) and walks `steps` steps of `pages_per_step` (G) page-table
 columns (``Tuning``). Per step it gathers the G pages' key rows at once (more
-bytes in flight than one page at a time) and their G*P scales, computes the
-fp8 x fp8 -> f32 dot [BN*Hp, 128] x [128, G*P], scales, applies ReLU, sums the
-weighted heads and stores [BN, G*P] logits. Columns past the block's longest context store -inf
-without touching the cache.
+bytes in flight than one page at a time) and their G*P scales, computes the dot
+[BN*Hp, 128] x [128, G*P] -> f32 (fp8 operands, or f16 from 64 dot rows:
+``pages_logits``), scales, applies ReLU, sums the weighted heads and stores
+[BN, G*P] logits. Columns past the block's longest context store -inf without
+touching the cache.
 
 Keys are read through a u8 byte view of the cache (an XLA bitcast of the u32
 word view, no copy) as 16-byte groups, [G*P, 128] fp8 as stored, wherever that

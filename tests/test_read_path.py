@@ -253,10 +253,9 @@ def test_paged_logits_f16_dot(rng, case):
     """The f16 dot form (wgmma on the GPU at 4 warps) gives the reference's logits, and
     the fp8 form's to the same tolerance: fp8 -> f16 is exact, only the order of the
     f32 sums may differ."""
-    dot = "f16"
     from pallas_kernels.paged_logits import Tuning, paged_logits
     layout, s, (cache, _, _, q8, wf, table, ctx) = logits_case(rng, case)
-    a = np.asarray(paged_logits(cache, s, q8, wf, table, ctx, tune=Tuning(num_warps=4, dot=dot)))
+    a = np.asarray(paged_logits(cache, s, q8, wf, table, ctx, tune=Tuning(num_warps=4, dot="f16")))
     want = np.asarray(ops.paged_logits(cache, layout, 1, q8, wf, table, ctx, implementation="xla"))
     assert_logits_match(a, want, np.asarray(ctx))
     assert_logits_match(a, np.asarray(paged_logits(cache, s, q8, wf, table, ctx)), np.asarray(ctx))
