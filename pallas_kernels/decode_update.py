@@ -7,12 +7,33 @@ Touches ONLY, per request b and token t (in index = position order):
     pos % ring of its own tail block (tslot // ring).
 It reads the kpool-1 earlier members of a completing pool from the same ring.
 
-Grid: one program per request. The program walks the request's tokens in
-order, so a completion at the last token of a verify window reads stashes
-written by earlier tokens of the same launch; a block barrier between tokens
-orders those writes before the reads. The token count is the static width n of
-the [B, n] arrays: padding tokens (pos < 0) are skipped, so a batch with fewer or
-uneven tokens per request uses the same compiled kernel.
+Grid: one program per request. The bytes are the spec's walk: token by token in
+order, each completion reading the ring before the token's own stash, so a
+completion at the last token of a verify window sees stashes written by earlier
+tokens of the same launch. n, the static width of the [B, n] arrays, bounds the
+tokens; padding tokens (pos < 0) do nothing, so fewer or uneven tokens per
+request use the same compiled kernel. Two programs give those bytes:
+
+"forward" (verify windows with n * (kpool - 1) <= FORWARD_MAX_PAIRS, e.g. up to
+10 tokens at kpool 4): no memory round trip per token.
+  1. Load every token's metadata and key / gate row at once.
+  2. Walk the tokens in order and complete pools. A member's ring row is the one
+     the walk would find there: the row of the newest EARLIER token of this launch
+     that stashes into the same (block, ring slot), from registers, else the ring's
+     bytes from before the launch (loaded: no stash has run yet).
+  3. One block barrier (every ring read done), then every token's stash; where two
+     tokens of the launch stash into one ring row only the later one writes, so no
+     two stores of the launch hit one address.
+  Its code grows with n * (kpool - 1) (the forwarding selects), hence the bound: at
+  kpool 16 and 32 tokens the H200's Triton compile ran for minutes (session 12).
+
+"walk" (any n): the walk itself, a block barrier before each completion's reads
+and after them, so each token reads the ring after the earlier tokens' stashes.
+One dependent round trip to memory per token.
+
+Both give the walk's bytes for any input, including repeated positions and tokens
+whose tail slots point at other blocks of the request (tests/test_write_kernels.py
+draws such batches against the reference for both).
 """
 from __future__ import annotations
 
@@ -27,20 +48,105 @@ from . import addressing as addr
 from . import numerics as nm
 from .strides import CacheStrides
 
+PATHS = ("forward", "walk")
+FORWARD_MAX_PAIRS = 32          # n * (kpool - 1) up to which "forward" is the default
 
-def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
-            s: CacheStrides, n: int, interpret: bool):
+
+def default_path(n: int, kpool: int) -> str:
+    return "forward" if n * (kpool - 1) <= FORWARD_MAX_PAIRS else "walk"
+
+
+def _pick(values, t):
+    """values[t] for a traced index t into a static list (a select chain: exact bits)."""
+    out = values[0]
+    for u in range(1, len(values)):
+        out = jnp.where(t == u, values[u], out)
+    return out
+
+
+def _ring_row(cache_ref, s, blk, slot, half, mask=True):                            # -> [128] bf16
+    w64 = lax.broadcasted_iota(jnp.int32, (addr.TAIL_ROW_WORDS,), 0)
+    rr, cc = addr.split_word(s, addr.tail_row_words(s, blk, slot, half) + w64)
+    return nm.unpack_bf16_words(B.gather(cache_ref, rr, cc, mask=mask & (w64 >= 0)))
+
+
+def _stash(cache_ref, s, blk, slot, key_row, gate_row, mask):
+    """Ring row `slot` of tail block `blk` = the token's key and gate, where mask."""
+    w64 = lax.broadcasted_iota(jnp.int32, (addr.TAIL_ROW_WORDS,), 0)
+    for half, row in ((0, key_row), (1, gate_row)):
+        rr, cc = addr.split_word(s, addr.tail_row_words(s, blk, slot, half) + w64)
+        B.scatter(cache_ref, rr, cc, nm.pack_bf16_words(row), mask & (w64 >= 0))
+
+
+def _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc):
+    """Pool the R member rows (R x [128] bf16 each), rotate, quantise, store pool slot loc."""
+    w32 = lax.broadcasted_iota(jnp.int32, (addr.KEY_WORDS,), 0)                     # [32]
+    q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))      # [128] fp8, []
+    rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w32)
+    B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), w32 >= 0)
+    rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))
+    cache_ref[rs, cs] = nm.f32_word(scale)
+
+
+def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
+                    s: CacheStrides, n: int, interpret: bool):
     # pos_ref, slot_ref, tslot_ref: [B, n] i32; key_ref, gate_ref: [B, n, 128] bf16;
     # ape_ref: [R, 128] f32; tab_ref: [1, 64] f32 (numerics.EXP_TABLE); cache_ref: [rows, 1024] u32
     r = s.kpool
     b = B.program_id(0)
-    w64 = lax.broadcasted_iota(jnp.int32, (addr.TAIL_ROW_WORDS,), 0)                # [64]
-    w32 = lax.broadcasted_iota(jnp.int32, (addr.KEY_WORDS,), 0)                     # [32]
     apes = [ape_ref[j, :] for j in range(r)]                                        # R x [128] f32
 
-    def ring_row(blk, ring_slot, half):                                             # -> [128] bf16
-        rr, cc = addr.split_word(s, addr.tail_row_words(s, blk, ring_slot, half) + w64)
-        return nm.unpack_bf16_words(B.gather(cache_ref, rr, cc))
+    # 1. every token's inputs, loaded together (n x scalars, n x [128] bf16 rows)
+    pos = [jnp.maximum(pos_ref[b, t], -1) for t in range(n)]                        # -1: padding
+    loc = [slot_ref[b, t] for t in range(n)]
+    tslot = [tslot_ref[b, t] for t in range(n)]
+    keys_in = [key_ref[b, t, :] for t in range(n)]
+    gates_in = [gate_ref[b, t, :] for t in range(n)]
+    blk = [addr.tail_block(s, ts) for ts in tslot]                  # each token's own block (bug B4)
+    ring_slot = [jnp.maximum(p, 0) % s.ring for p in pos]
+    stashes = [(pos[t] >= 0) & addr.tail_slot_valid(s, tslot[t]) for t in range(n)]   # gated on tslot (B3)
+
+    # 2. the walk's completions, in token order
+    def token(t, carry):
+        p_t, loc_t, blk_t = _pick(pos, t), _pick(loc, t), _pick(blk, t)
+        complete = (p_t >= 0) & (p_t % r == r - 1) & addr.pool_slot_valid(s, loc_t)
+
+        @B.when(complete)
+        def _complete():
+            keys, gates = [], []
+            for j in range(r - 1):
+                slot = (p_t - (r - 1) + j) % s.ring
+                fwd, k_fwd, g_fwd = False, keys_in[0], gates_in[0]
+                for u in range(n):              # the newest earlier stash into (blk_t, slot) wins
+                    hit = (u < t) & stashes[u] & (blk[u] == blk_t) & (ring_slot[u] == slot)
+                    fwd = fwd | hit
+                    k_fwd = jnp.where(hit, keys_in[u], k_fwd)
+                    g_fwd = jnp.where(hit, gates_in[u], g_fwd)
+                keys.append(jnp.where(fwd, k_fwd, _ring_row(cache_ref, s, blk_t, slot, 0, ~fwd)))
+                gates.append(jnp.where(fwd, g_fwd, _ring_row(cache_ref, s, blk_t, slot, 1, ~fwd)))
+            keys.append(_pick(keys_in, t))
+            gates.append(_pick(gates_in, t))
+            _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc_t)
+
+        return carry
+
+    lax.fori_loop(0, n, token, 0)
+
+    # 3. every stash, after every ring read of the program
+    B.barrier(interpret)
+    for t in range(n):
+        write = stashes[t]
+        for u in range(t + 1, n):               # unless a later token of the launch stashes into the same row
+            write = write & ~(stashes[u] & (blk[u] == blk[t]) & (ring_slot[u] == ring_slot[t]))
+        _stash(cache_ref, s, blk[t], ring_slot[t], keys_in[t], gates_in[t], write)
+
+
+def _walk_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
+                 s: CacheStrides, n: int, interpret: bool):
+    # the same refs as _forward_kernel
+    r = s.kpool
+    b = B.program_id(0)
+    apes = [ape_ref[j, :] for j in range(r)]                                        # R x [128] f32
 
     def token(t, carry):
         pos = pos_ref[b, t]
@@ -50,29 +156,18 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _
         live = pos >= 0
         pos_c = jnp.maximum(pos, 0)
         complete = live & (pos_c % r == r - 1) & addr.pool_slot_valid(s, loc)
-        B.barrier(interpret)                                         # earlier tokens' stashes are visible
+        B.barrier(interpret)                                # earlier tokens' stashes are visible
 
         @B.when(complete)
         def _complete():
-            first = pos_c - (r - 1)
-            keys = [ring_row(blk, (first + j) % s.ring, 0) for j in range(r - 1)]
-            gates = [ring_row(blk, (first + j) % s.ring, 1) for j in range(r - 1)]
-            keys.append(key_ref[b, t, :])
-            gates.append(gate_ref[b, t, :])
-            q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))  # [128] fp8, []
-            rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w32)
-            B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), w32 >= 0)
-            rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))
-            cache_ref[rs, cs] = nm.f32_word(scale)
+            slots = [(pos_c - (r - 1) + j) % s.ring for j in range(r - 1)]
+            keys = [_ring_row(cache_ref, s, blk, sl, 0) for sl in slots] + [key_ref[b, t, :]]
+            gates = [_ring_row(cache_ref, s, blk, sl, 1) for sl in slots] + [gate_ref[b, t, :]]
+            _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc)
 
-        B.barrier(interpret)                                         # reads above finish before the stash
-
-        @B.when(live & addr.tail_slot_valid(s, tslot))
-        def _stash():                                       # gated on the tail slot (bug B3)
-            for half, src in ((0, key_ref), (1, gate_ref)):
-                rr, cc = addr.split_word(s, addr.tail_row_words(s, blk, pos_c % s.ring, half) + w64)
-                B.scatter(cache_ref, rr, cc, nm.pack_bf16_words(src[b, t, :]), w64 >= 0)
-
+        B.barrier(interpret)                                # reads above finish before the stash
+        _stash(cache_ref, s, blk, pos_c % s.ring, key_ref[b, t, :], gate_ref[b, t, :],
+               live & addr.tail_slot_valid(s, tslot))       # gated on the tail slot (bug B3)
         return carry
 
     lax.fori_loop(0, n, token, 0)
@@ -81,19 +176,24 @@ def _kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _
 NUM_WARPS = 4              # H200: 2x faster than 1 warp at B=256, next_n 1 (tune_writes.py)
 
 
-@functools.partial(jax.jit, static_argnames=("s", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("s", "interpret", "num_warps", "path"))
 def decode_update(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, positions, *,
-                  interpret=None, num_warps: int = NUM_WARPS):
+                  interpret=None, num_warps: int = NUM_WARPS, path: str | None = None):
     """cache: [total_words] u32; key, gate: [B, n, 128] bf16; ape [R, 128] f32;
     slot_mapping, tslot, positions: [B, n] i32. Returns the new cache.
-    num_warps: launch shape (``benchmarks/tune_writes.py``)."""
+    num_warps: launch shape (``benchmarks/tune_writes.py``); path: "forward" or "walk"
+    (the module docstring; None: ``default_path(n, kpool)``), the same bytes either way."""
     b, n = positions.shape
     if b == 0 or n == 0:
         return cache
+    path = default_path(n, s.kpool) if path is None else path
+    if path not in PATHS:
+        raise ValueError(f"decode_update: path must be one of {PATHS}, got {path!r}")
+    kernel = _forward_kernel if path == "forward" else _walk_kernel
     view = cache.reshape(addr.view_shape(s))
     interpret = B.resolve_interpret(interpret)
     out = B.pallas_call(
-        functools.partial(_kernel, s=s, n=n, interpret=interpret),
+        functools.partial(kernel, s=s, n=n, interpret=interpret),
         grid=(b,),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
         input_output_aliases={7: 0},

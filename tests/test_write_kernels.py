@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from glm5_jax import ops
-from write_cases import (CASES, SENTINEL, assert_same_snapshots, check_padded_stride, ops_writers,
+from write_cases import (CASES, SENTINEL, as_bytes, assert_same_snapshots, check_padded_stride, ops_writers,
                          random_workload, run_writes)
 
 
@@ -73,3 +73,77 @@ def test_decode_update_moves_row_bits_exactly(rng):
     assert_same_snapshots(ref_snaps, pal_snaps)
     neg_zero = [(np.asarray(st["key"]).view(np.uint16) == 0x8000).any() for st in steps]
     assert any(neg_zero), "the case must hold -0.0 keys"
+
+
+def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
+    """A decode batch that no scheduler sends but the walk still defines: positions
+    repeated, out of order and padded (-1, -7); tail slots that point at either of the
+    request's tail blocks, at no block (-1) or past the last one; pool slots valid, -1
+    or out of range (each valid one used once in the batch). What the spec does
+    guarantee holds: requests keep to their own tail blocks (5.4), and a block holding
+    pools is never a tail block (3.5: one owner per block id), so pool records never
+    overlap ring rows. Tail blocks 1 .. 2b, pools in blocks 2b + 1 and up."""
+    cfg = layout.config
+    s = layout.strides(0)
+    b = 3
+    pos = rng.integers(0, 3 * cfg.ring, size=(b, n))
+    pos[0] = rng.integers(0, 40) + np.arange(n)                            # one request in order
+    pos[rng.random((b, n)) < 0.15] = -1
+    pos[2, n - 1] = -7
+    own = 1 + np.arange(b * blocks_per_request).reshape(b, blocks_per_request)
+    blk = own[np.arange(b)[:, None], rng.integers(0, blocks_per_request, size=(b, n))]
+    tslot = blk * cfg.ring + np.maximum(pos, 0) % cfg.ring
+    odd = rng.random((b, n))
+    tslot[odd < 0.1] = -1
+    tslot[(odd >= 0.1) & (odd < 0.15)] = s.num_tail_slots + 3
+    first_pool = (b * blocks_per_request + 1) * s.pools_per_block
+    slot = first_pool + rng.permutation(s.num_pool_slots - first_pool)[:b * n].reshape(b, n)
+    odd = rng.random((b, n))
+    slot[odd < 0.15] = -1
+    slot[(odd >= 0.15) & (odd < 0.2)] = s.num_pool_slots
+    key = rng.standard_normal((b, n, 128)).astype(jnp.bfloat16)
+    gate = (3 * rng.standard_normal((b, n, 128))).astype(jnp.bfloat16)
+    return [jnp.asarray(x) for x in (key, gate)], [jnp.asarray(x, jnp.int32) for x in (slot, tslot, pos)]
+
+
+@pytest.mark.parametrize("path", ["forward", "walk"])
+@pytest.mark.parametrize("kpool, spec", [(4, 0), (4, 3)], ids=["R4-ring4", "R4-ring8"])
+def test_decode_update_follows_the_walk_on_odd_batches(rng, kpool, spec, path):
+    """Both programs of the decode update (pallas_kernels/decode_update.py; "forward"
+    takes stashes of earlier tokens of the launch from registers instead of re-reading
+    the ring) must give the reference's literal token-by-token walk whatever the batch.
+    The ring starts with random finite bf16 rows, so a member read from the wrong place
+    shows."""
+    from glm5_jax import reference as ref
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    from pallas_kernels.decode_update import decode_update as kernel
+    layout = CacheLayout(IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=512), num_layers=1,
+                         num_blocks=12)
+    s = layout.strides(0)
+    raw = rng.integers(0, 256, size=layout.total_words * 4, dtype=np.uint8)
+    raw[1::2] &= 0xBF                                          # every bf16 half-word finite, |x| < 2
+    start = jnp.asarray(raw.view(np.uint32))
+    ape = jnp.asarray(rng.standard_normal((kpool, 128)), jnp.float32)
+    completions = 0
+    for n in (1, 6):
+        (key, gate), (slot, tslot, pos) = _odd_decode_batch(rng, layout, n)
+        want = as_bytes(ref.decode_update_strides(start, s, key, gate, ape, slot, tslot, pos))
+        got = as_bytes(kernel(start, s, key, gate, ape, slot, tslot, pos, path=path))
+        diff = np.nonzero(got != want)[0]
+        assert diff.size == 0, f"{path}, n={n}: {diff.size} bytes differ from the walk, first at byte {diff[0]}"
+        completions += int(((np.asarray(pos) % kpool == kpool - 1) & (np.asarray(slot) >= 0)).sum())
+    assert completions > 0, "the batches must complete pools"
+
+
+def test_decode_update_default_path_and_bad_path():
+    from pallas_kernels import decode_update as du
+    assert du.default_path(4, 4) == "forward" and du.default_path(10, 4) == "forward"
+    assert du.default_path(11, 4) == "walk" and du.default_path(32, 16) == "walk"
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=2)
+    z = jnp.zeros((1, 1), jnp.int32)
+    row = jnp.zeros((1, 1, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="path must be one of"):
+        du.decode_update(layout.allocate(0), layout.strides(0), row, row, jnp.zeros((4, 128)), z, z, z, path="fast")
