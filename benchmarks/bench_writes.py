@@ -43,6 +43,22 @@ def prefill_case(rng, total_tokens, n_requests):
     return layout, sc, sc.prefill([per] * n_requests)
 
 
+def compress_bytes(tokens: int, pools: int) -> int:
+    """Compression: read K + gate once (512 B/token) + slot (4 B/token); write 132 B per pool."""
+    return 512 * tokens + 4 * tokens + 132 * pools
+
+
+def seed_bytes(tokens: int, n_requests: int, kpool: int) -> int:
+    """Seed: tslot of every token (4 B) + K/gate of the last kpool tokens per request; write 512 B each."""
+    return 4 * tokens + 2 * 512 * n_requests * kpool
+
+
+def decode_bytes(batch: int, next_n: int, completes: int, kpool: int) -> int:
+    """Decode update: read K/gate of each token (512 B) + 12 B metadata, stash 512 B; per
+    completion read (kpool-1) * 512 B of ring, write 132 B."""
+    return batch * next_n * (512 + 12 + 512) + completes * ((kpool - 1) * 512 + 132)
+
+
 def bench_prefill(rng, total_tokens, n_requests, reps, impls, reps_latency):
     layout, sc, pre = prefill_case(rng, total_tokens, n_requests)
     t = pre["key"].shape[0]
@@ -52,16 +68,13 @@ def bench_prefill(rng, total_tokens, n_requests, reps, impls, reps_latency):
     ends = jnp.asarray(np.cumsum([t // n_requests] * n_requests).astype(np.int32))
     pools = int((pre["slot_mapping"] >= 0).sum())
     rows = []
-    # compression: read K + gate once (512 B/token) + slot (4 B/token); write 132 B per pool
-    comp_bytes = 512 * t + 4 * t + 132 * pools
+    comp_bytes = compress_bytes(t, pools)
     res = {}
     for impl in impls:
         step = lambda c, k, g, a, s, impl=impl: ops.compress_prefill(c, layout, 0, k, g, a, s, implementation=impl)
         res[impl], _ = time_chain(step, layout.allocate(0), *args, ape, slot, reps=reps)
     rows.append(("compress_prefill", f"{t} tok", res, comp_bytes))
-    # seed: tslot of every token (4 B) + K/gate of the last R tokens per request; write 512 B each
-    seeded = n_requests * layout.config.kpool
-    seed_bytes = 4 * t + 2 * 512 * seeded
+    nbytes_seed = seed_bytes(t, n_requests, layout.config.kpool)
     for name, with_ends in (("seed_tail", False), ("seed_tail+ends", True)):
         res = {}
         for impl in impls:
@@ -70,7 +83,7 @@ def bench_prefill(rng, total_tokens, n_requests, reps, impls, reps_latency):
                                                                       **kw)
             res[impl], _ = time_chain(step, layout.allocate(0), *args, tslot,
                                       reps=reps if impl == "xla" else reps_latency)
-        rows.append((name, f"{t} tok / {n_requests} req", res, seed_bytes))
+        rows.append((name, f"{t} tok / {n_requests} req", res, nbytes_seed))
     return rows
 
 
@@ -100,8 +113,7 @@ def bench_decode(rng, batch, next_n, reps, impls, reps_xla):
     layout, st, args = decode_case(rng, batch, next_n)
     cfg = layout.config
     completes = int((st["slot_mapping"] >= 0).sum())
-    # read K/gate of each token (512 B) + 12 B metadata, stash 512 B; per completion read (R-1)*512, write 132
-    nbytes = batch * next_n * (512 + 12 + 512) + completes * ((cfg.kpool - 1) * 512 + 132)
+    nbytes = decode_bytes(batch, next_n, completes, cfg.kpool)
     res = {}
     for impl in impls:
         step = lambda c, k, g, a, s, ts, p, impl=impl: ops.decode_update(c, layout, 0, k, g, a, s, ts, p,
