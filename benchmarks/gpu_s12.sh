@@ -7,8 +7,8 @@
 #                 and the XLA reference traced the same way, with variants ($DECODE_VARIANTS:
 #                 program:warps, the old "walk" program among them; $COMPRESS_SHAPES: tile x warps)
 #   PART=suite    the whole suite compiled (all files but the sharding and notebook ones), the slow
-#                 Triton prefill-then-decode parity test included, -n 12 workers; then bench_writes.py
-#                 (the chained harness of earlier sessions, for continuity)
+#                 Triton prefill-then-decode parity test included, -n 12 workers; then trace_writes.py
+#                 again (a second run of the same numbers; compression shapes 4x2 and 4x8 as variants)
 # Logs under $OUT.   device tool: PART=writes bash benchmarks/gpu_s12.sh   (carry .vectors and .whl)
 source "$(dirname "$0")/_gpu_env.sh"
 if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
@@ -31,7 +31,7 @@ if [ "$PART" = suite ]; then
   timeout "${T_S:-330}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE tests \
     --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py > "$OUT/pytest_all.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_all.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_all.log" | tail -15
-  timeout "${W_S:-200}" python3 benchmarks/bench_writes.py --impls pallas,xla --json "$OUT/bench_writes.json" \
-    > "$OUT/bench_writes.txt" 2>&1
-  echo "rc=$?" >> "$OUT/bench_writes.txt"; grep -v "^W\|^I0" "$OUT/bench_writes.txt" | tail -24
+  timeout "${TW_S:-180}" python3 benchmarks/trace_writes.py --compress-shapes ${COMPRESS_SHAPES:-4x2 4x8} \
+    --json "$OUT/trace_writes.json" > "$OUT/trace_writes.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -40
 fi

@@ -121,3 +121,25 @@ def test_trace_read_busy_kernel_runs():
     for _ in range(100):
         want = np.float32(want * np.float32(0.999999) + np.float32(1e-6))
     np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_trace_writes_threads_the_donated_state():
+    """trace_writes.py runs `state = f(state, *args)` once to compile and then once per
+    traced call, each on the state the last one returned (off the GPU it times host
+    wall clock instead of reading a trace: the smoke path CI can run)."""
+    import numpy as np
+    import trace_read as tr
+    import trace_writes as tw
+    f = tw.donated(lambda s, d: s + d)
+    s, state = tw.trace_state_calls(f, jnp.zeros((8,), jnp.int32), (jnp.int32(3),), 4,
+                                    tr.busy_kernel(10, interpret=True), jnp.ones((16,), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(state), np.full((8,), 15, np.int32))
+    assert s["calls"] == 4 and s["span_us"] > 0
+
+
+def test_write_byte_counts():
+    """Bytes each write must move (each input read once, each output written once)."""
+    import bench_writes as bw
+    assert bw.compress_bytes(4096, 1024) == 4096 * (256 + 256 + 4) + 1024 * (128 + 4)
+    assert bw.seed_bytes(4096, 64, 4) == 4096 * 4 + 64 * 4 * 2 * 256 * 2
+    assert bw.decode_bytes(256, 4, 256, 4) == 256 * 4 * (2 * 256 + 12 + 2 * 256) + 256 * (3 * 2 * 256 + 132)
