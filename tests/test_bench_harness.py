@@ -125,14 +125,16 @@ def test_trace_read_busy_kernel_runs():
 
 def test_trace_writes_threads_the_donated_state():
     """trace_writes.py runs `state = f(state, *args)` once to compile and then once per
-    traced call, each on the state the last one returned (off the GPU it times host
-    wall clock instead of reading a trace: the smoke path CI can run)."""
+    traced call, each on the state the last one returned. On the GPU the calls come
+    from a profiler trace (the busy kernel compiled, so the calls can be told apart);
+    off it the script times host wall clock instead (the smoke path CI can run)."""
     import numpy as np
     import trace_read as tr
     import trace_writes as tw
     f = tw.donated(lambda s, d: s + d)
-    s, state = tw.trace_state_calls(f, jnp.zeros((8,), jnp.int32), (jnp.int32(3),), 4,
-                                    tr.busy_kernel(10, interpret=True), jnp.ones((16,), jnp.float32))
+    busy = tr.busy_kernel(10, interpret=jax.default_backend() != "gpu")
+    s, state = tw.trace_state_calls(f, jnp.zeros((8,), jnp.int32), (jnp.int32(3),), 4, busy,
+                                    jnp.ones((16,), jnp.float32))
     np.testing.assert_array_equal(np.asarray(state), np.full((8,), 15, np.int32))
     assert s["calls"] == 4 and s["span_us"] > 0
 
