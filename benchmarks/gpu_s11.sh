@@ -25,13 +25,8 @@
 #   PART=decode   the write tests compiled (test_write_kernels, test_gpu's write tests: in place, 3 / 5
 #                 GiB caches, out-of-range slots) and bench_writes.py --decode-only --impls pallas,xla
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s11.sh   (carry .vectors and .whl)
-source "$(dirname "$0")/_gpu_env.sh"
-if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl > /dev/null 2>&1 && export PYTHONPATH=$PWD:/tmp/site
-fi
+source "$(dirname "$0")/_gpu_env.sh"            # also installs a carried jax-triton wheel
 PART=${PART:-suite}
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 ncu_decode() {
   local m=gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
   timeout 150 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --profile-from-start off --cache-control none \

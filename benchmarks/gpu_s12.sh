@@ -14,13 +14,8 @@
 #                 9 GiB Triton cache test (out of memory beside 11 other workers' caches), with the
 #                 other large-cache tests
 # Logs under $OUT.   device tool: PART=writes bash benchmarks/gpu_s12.sh   (carry .vectors and .whl)
-source "$(dirname "$0")/_gpu_env.sh"
-if ls .whl/*.whl > /dev/null 2>&1; then     # jax-triton 0.3.1 for tests/test_triton.py
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl > /dev/null 2>&1 && export PYTHONPATH=$PWD:/tmp/site
-fi
+source "$(dirname "$0")/_gpu_env.sh"            # also installs a carried jax-triton wheel
 PART=${PART:-writes}
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 if [ "$PART" = writes ]; then
   timeout "${T_S:-240}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_write_kernels.py \
     tests/test_write_launch_shapes.py \
