@@ -13,6 +13,12 @@ fraction of the device-to-device copy bandwidth measured in this run, the ratio
 to an empty Pallas launch, and the speed-up over the XLA reference (when "xla"
 is among --impls). All implementations run the same sizes in one run; "triton"
 is skipped with a note where it cannot run (no GPU, or jax_triton missing).
+
+Since session 12 the write numbers in docs/benchmarks.md come from trace_writes.py
+(each call's device span from a profiler trace): a chain shares one jit dispatch
+among its calls, and XLA may compute the pools of identical chained calls once.
+This script stays for the Triton-language kernels and for comparison with earlier
+sessions.
 """
 from __future__ import annotations
 
