@@ -11,6 +11,11 @@ reference first. The others are timing probes: their bytes differ by design.
 Reported: us per call, the fraction of device-to-device copy bandwidth (bytes moved
 counted as in bench_writes.py: K + gate + slot read once, 132 B written per pool),
 and the share of the exact kernel's time each probe removes.
+
+``--decode`` runs the same probes on the decode update instead, timed as device spans
+from a profiler trace against an empty kernel (trace_writes.py's method); the probe
+"no pool arithmetic" leaves only its loads, branches and stores, the latency floor of
+its memory chain (written in session 12 for the next session's first decode run).
 """
 from __future__ import annotations
 
@@ -49,6 +54,13 @@ def _no_hadamard(x):
     return x
 
 
+def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None):
+    """compress_pool's shapes with none of its work: the newest member's key as the fp8
+    row, its first element as the scale (the kernel's loads and stores stay)."""
+    k = keys[-1].astype(jnp.float32)
+    return jnp.clip(k, -nm.FP8_MAX, nm.FP8_MAX).astype(nm.FP8), k[..., 0]
+
+
 PROBES = {
     "exact": {},
     "session-7 numerics": {"exp_f32": session7_exp_f32, "mac_bf16": nm.mac},   # same-run baseline
@@ -59,6 +71,7 @@ PROBES = {
     "exp+recip cheap": {"exp_f32": _fast_exp, "recip_f32": _fast_recip},
     "all cheap": {"exp_f32": _fast_exp, "recip_f32": _fast_recip, "mac": _plain_mac,
                   "mac_bf16": _plain_mac, "hadamard128": _no_hadamard},
+    "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
 }
 
 
@@ -76,25 +89,36 @@ def patched(names):
         jax.clear_caches()
 
 
-def decode(probes, rng, quick):
-    """decode_update under each probe: B = 256 (4 quick), next_n 1 and 4, as bench_writes.py."""
+def decode(probes, rng, quick, calls=30):
+    """decode_update under each probe: B = 256 and 1 (4 quick), next_n 1 and 4, as
+    bench_writes.decode_case. Device spans from a profiler trace (trace_writes.py's
+    method; host wall time off the GPU), against an empty kernel traced the same way:
+    where the latency of the decode update goes ("no pool arithmetic" leaves its loads,
+    branches and stores)."""
+    import trace_read as tr
+    import trace_writes as tw
+    from _timing import empty_launch_step
     from bench_writes import decode_case
-    from _timing import empty_launch_seconds
     from pallas_kernels.decode_update import decode_update
 
-    empty = empty_launch_seconds()
+    busy = tr.busy_kernel(interpret=jax.default_backend() != "gpu")
+    busy_arg = jnp.ones((16,), jnp.float32)
+
+    def span_us(step, state, *args):
+        return tw.trace_state_calls(tw.donated(step), state, args, 3 if quick else calls, busy, busy_arg)[0]["span_us"]
+
+    empty = span_us(empty_launch_step, jnp.zeros((1024,), jnp.uint32))
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
-          f"empty Pallas launch {empty * 1e6:.2f} us")
-    print(f"{'probe':<24}{'case':>18}{'us/call':>10}{'x empty':>9}")
-    batch = 4 if quick else 256
-    for nn in (1, 4):
-        layout, _, args = decode_case(rng, batch, nn)
-        s = layout.strides(0)
-        for name, patch in probes.items():
-            with patched(patch):
-                sec = time_chain(lambda c, *x: decode_update(c, s, *x), layout.allocate(0), *args,
-                                 reps=3 if quick else 100, trials=1 if quick else 5)[0]
-            print(f"{name:<24}{f'B={batch} next_n={nn}':>18}{sec * 1e6:>10.2f}{sec / empty:>9.2f}")
+          f"empty Pallas kernel {empty:.2f} us (device span)")
+    print(f"{'probe':<24}{'case':>18}{'span us':>10}{'x empty':>9}")
+    for batch in ((4,) if quick else (256, 1)):
+        for nn in (1, 4):
+            layout, _, args = decode_case(rng, batch, nn)
+            s = layout.strides(0)
+            for name, patch in probes.items():
+                with patched(patch):
+                    us = span_us(lambda c, *x: decode_update(c, s, *x), layout.allocate(0), *args)
+                print(f"{name:<24}{f'B={batch} next_n={nn}':>18}{us:>10.2f}{us / empty:>9.2f}")
 
 
 def profile(probes, shapes, layout, s, args):
@@ -126,7 +150,7 @@ def main(argv=None):
                     help="run each probe once between cudaProfilerStart/Stop (for ncu --profile-from-start off)")
     ap.add_argument("--probes", default=",".join(PROBES), help="comma-separated probe names")
     ap.add_argument("--decode", action="store_true",
-                    help="time decode_update (B = 256, next_n 1 and 4, 100-call chains) instead")
+                    help="time decode_update (B = 256 and 1, next_n 1 and 4, device spans) instead")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     tokens = 512 if a.quick else a.tokens
