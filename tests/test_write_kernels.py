@@ -97,42 +97,48 @@ def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
     tslot[odd < 0.1] = -1
     tslot[(odd >= 0.1) & (odd < 0.15)] = s.num_tail_slots + 3
     first_pool = (b * blocks_per_request + 1) * s.pools_per_block
-    slot = first_pool + rng.permutation(s.num_pool_slots - first_pool)[:b * n].reshape(b, n)
+    valid = first_pool + rng.permutation(s.num_pool_slots - first_pool)[:b * n].reshape(b, n)
+    slot = valid.copy()
     odd = rng.random((b, n))
     slot[odd < 0.15] = -1
     slot[(odd >= 0.15) & (odd < 0.2)] = s.num_pool_slots
+    # one completion for sure: request 1's last token ends pool 2 into a valid slot
+    pos[1, n - 1] = 3 * cfg.kpool - 1
+    slot[1, n - 1] = valid[1, n - 1]
+    tslot[1, n - 1] = own[1, 0] * cfg.ring + pos[1, n - 1] % cfg.ring
     key = rng.standard_normal((b, n, 128)).astype(jnp.bfloat16)
     gate = (3 * rng.standard_normal((b, n, 128))).astype(jnp.bfloat16)
     return [jnp.asarray(x) for x in (key, gate)], [jnp.asarray(x, jnp.int32) for x in (slot, tslot, pos)]
 
 
 @pytest.mark.parametrize("path", ["forward", "walk"])
-@pytest.mark.parametrize("kpool, spec", [(4, 0), (4, 3)], ids=["R4-ring4", "R4-ring8"])
+@pytest.mark.parametrize("kpool, spec", [(4, 0), (4, 3), (16, 0)], ids=["R4-ring4", "R4-ring8", "R16-ring16"])
 def test_decode_update_follows_the_walk_on_odd_batches(rng, kpool, spec, path):
     """Both programs of the decode update (pallas_kernels/decode_update.py; "forward"
     takes stashes of earlier tokens of the launch from registers instead of re-reading
     the ring) must give the reference's literal token-by-token walk whatever the batch.
     The ring starts with random finite bf16 rows, so a member read from the wrong place
-    shows."""
+    shows. kpool 16 keeps to 2 tokens: the forwarding code grows with tokens x members."""
     from glm5_jax import reference as ref
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
     from pallas_kernels.decode_update import decode_update as kernel
-    layout = CacheLayout(IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=512), num_layers=1,
-                         num_blocks=12)
+    config = IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=512 if kpool == 4 else 1536)
+    layout = CacheLayout(config, num_layers=1, num_blocks=12)
     s = layout.strides(0)
     raw = rng.integers(0, 256, size=layout.total_words * 4, dtype=np.uint8)
     raw[1::2] &= 0xBF                                          # every bf16 half-word finite, |x| < 2
     start = jnp.asarray(raw.view(np.uint32))
     ape = jnp.asarray(rng.standard_normal((kpool, 128)), jnp.float32)
     completions = 0
-    for n in (1, 6):
+    for n in ((1, 6) if kpool == 4 else (1, 2)):
         (key, gate), (slot, tslot, pos) = _odd_decode_batch(rng, layout, n)
         want = as_bytes(ref.decode_update_strides(start, s, key, gate, ape, slot, tslot, pos))
         got = as_bytes(kernel(start, s, key, gate, ape, slot, tslot, pos, path=path))
         diff = np.nonzero(got != want)[0]
         assert diff.size == 0, f"{path}, n={n}: {diff.size} bytes differ from the walk, first at byte {diff[0]}"
-        completions += int(((np.asarray(pos) % kpool == kpool - 1) & (np.asarray(slot) >= 0)).sum())
+        p, sl = np.asarray(pos), np.asarray(slot)
+        completions += int(((p >= 0) & (p % kpool == kpool - 1) & (sl >= 0) & (sl < s.num_pool_slots)).sum())
     assert completions > 0, "the batches must complete pools"
 
 
