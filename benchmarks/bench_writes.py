@@ -59,10 +59,10 @@ def seed_bytes(tokens: int, n_requests: int, kpool: int) -> int:
     return 4 * tokens + 2 * 512 * n_requests * kpool
 
 
-def decode_bytes(batch: int, next_n: int, completes: int, kpool: int) -> int:
+def decode_bytes(batch: int, next_n: int, completed_pools: int, kpool: int) -> int:
     """Decode update: read K/gate of each token (512 B) + 12 B metadata, stash 512 B; per
     completion read (kpool-1) * 512 B of ring, write 132 B."""
-    return batch * next_n * (512 + 12 + 512) + completes * ((kpool - 1) * 512 + 132)
+    return batch * next_n * (512 + 12 + 512) + completed_pools * ((kpool - 1) * 512 + 132)
 
 
 def bench_prefill(rng, total_tokens, n_requests, reps, impls, reps_latency):
@@ -118,8 +118,8 @@ def decode_case(rng, batch: int, next_n: int):
 def bench_decode(rng, batch, next_n, reps, impls, reps_xla):
     layout, st, args = decode_case(rng, batch, next_n)
     cfg = layout.config
-    completes = int((st["slot_mapping"] >= 0).sum())
-    nbytes = decode_bytes(batch, next_n, completes, cfg.kpool)
+    completed_pools = int((st["slot_mapping"] >= 0).sum())
+    nbytes = decode_bytes(batch, next_n, completed_pools, cfg.kpool)
     res = {}
     for impl in impls:
         step = lambda c, k, g, a, s, ts, p, impl=impl: ops.decode_update(c, layout, 0, k, g, a, s, ts, p,

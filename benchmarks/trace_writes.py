@@ -113,8 +113,8 @@ def main(argv=None):
         print(f"measured {kernel} {case} {impl}: {s['span_us']:.2f} us span ({s['n']} kernels)", flush=True)
 
     rng = np.random.default_rng(0)
-    rng_pairs = ((4, 1), (4, 4)) if a.quick else tuple((b, n) for b in (256, 64, 1) for n in (1, 4))
-    for batch, next_n in rng_pairs:
+    decode_cases = ((4, 1), (4, 4)) if a.quick else tuple((b, n) for b in (256, 64, 1) for n in (1, 4))
+    for batch, next_n in decode_cases:
         layout, st, args = bw.decode_case(rng, batch, next_n)
         case = f"B={batch} next_n={next_n}"
         nbytes = bw.decode_bytes(batch, next_n, int((st["slot_mapping"] >= 0).sum()), layout.config.kpool)
@@ -133,15 +133,15 @@ def main(argv=None):
                 continue
             add("decode_update", case, impl, trace(step, layout.allocate(0), *args), nbytes, "pallas")
 
-    for total in ((1024,) if a.quick else (4096, 32768, 131072)):
+    for total_tokens in ((1024,) if a.quick else (4096, 32768, 131072)):
         n_req = 4 if a.quick else 64
-        layout, sc, pre = bw.prefill_case(rng, total, n_req)
-        t = pre["key"].shape[0]
+        layout, sc, pre = bw.prefill_case(rng, total_tokens, n_req)
+        tokens = pre["key"].shape[0]                   # total_tokens, rounded to whole pools per request
         key, gate = jnp.asarray(pre["key"]), jnp.asarray(pre["gate"])
         ape, slot, tslot = jnp.asarray(sc.ape), jnp.asarray(pre["slot_mapping"]), jnp.asarray(pre["tslot"])
-        ends = jnp.asarray(np.cumsum([t // n_req] * n_req).astype(np.int32))
-        case = f"{t} tok / {n_req} req"
-        nbytes = bw.compress_bytes(t, int((pre["slot_mapping"] >= 0).sum()))
+        ends = jnp.asarray(np.cumsum([tokens // n_req] * n_req).astype(np.int32))
+        case = f"{tokens} tok / {n_req} req"
+        nbytes = bw.compress_bytes(tokens, int((pre["slot_mapping"] >= 0).sum()))
         for impl in ("pallas", "xla"):
             step = lambda c, k, g, ap, sl, impl=impl: ops.compress_prefill(c, layout, 0, k, g, ap, sl,
                                                                             implementation=impl)
@@ -157,7 +157,7 @@ def main(argv=None):
                 continue
             add("compress_prefill", case, f"pallas {shape}",
                 trace(step, layout.allocate(0), key, gate, ape, slot), nbytes, "pallas")
-        nbytes = bw.seed_bytes(t, n_req, layout.config.kpool)
+        nbytes = bw.seed_bytes(tokens, n_req, layout.config.kpool)
         for impl in ("pallas", "xla"):
             kw = dict(request_ends_tokens=ends) if impl == "pallas" else {}
             step = lambda c, k, g, ts, impl=impl, kw=kw: ops.seed_tail(c, layout, 0, k, g, ts, implementation=impl,
@@ -179,7 +179,7 @@ def main(argv=None):
               f"{r['bytes'] / 1e6:>10.3f}{r['frac_copy_bw']:>14.3f}{r['x_empty']:>9.2f}{vs}")
     for r in rows:
         if r["impl"] == "pallas" and r["kernels"] > 1:
-            parts = ", ".join(f"{n} {t:.2f}" for n, t in zip(r["order"], r["per_kernel_us"]))
+            parts = ", ".join(f"{name} {us:.2f}" for name, us in zip(r["order"], r["per_kernel_us"]))
             print(f"kernels (us) of {r['kernel']} {r['case']} pallas: {parts}")
     print("(default shapes: decode_update", f"{decode_kernel.__module__}.default_path / NUM_WARPS; compression",
           f"{compress_kernel.__module__}.default_tile_pools x NUM_WARPS)")
