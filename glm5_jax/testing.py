@@ -41,6 +41,45 @@ class Request:
     gate: np.ndarray                  # [L, 128] bf16
 
 
+# Sessions 8-12's exact-product forms of exp, the reciprocal and the pooled multiply-add
+# (replaced in session 13 by numerics' ``rounded`` forms, which give other bits): every
+# product that met an add was exact, from 12-bit halves of its operands. Kept for the
+# saved Triton FMA pools' golden bytes (the reciprocal, tests/test_numerics.py) and for
+# the same-run baseline of benchmarks/probe_compress.py ("session-12 numerics").
+def session12_exp_f32(d, lookup=None):
+    """e**d as sessions 8-12 computed it: numerics.exp_f32's table and reduction, with
+    r**2, r**3/6 and T*q from exact 12 x 12-bit partial products."""
+    lookup = nm.exp_table_lookup if lookup is None else lookup
+    d = jnp.clip(d, -87.0, 88.0)
+    kf = jnp.floor(d * nm.EXP_SCALE)
+    r = ((d - kf * nm.EXP_L1) - kf * nm.EXP_L2) - kf * nm.EXP_L3
+    k = kf.astype(jnp.int32)
+    t = lookup(k & (nm.EXP_TABLE_SIZE - 1))
+    rh, rl = nm._split12(r)
+    r2 = rh * rh + rh * (rl + rl)
+    r3 = nm._split12(r2)[0] * nm._split12(rh * nm.EXP_C6)[0]
+    q = r + (r2 * 0.5 + r3)
+    th, tl = nm._split12(t)
+    qh, ql = nm._split12(q)
+    e = t + ((th * qh + th * ql) + tl * qh)
+    return e * nm._f32((((k >> nm.EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))
+
+
+def session12_mac_bf16(c, k, e):
+    """c + k*e as sessions 8-12 computed it: k times e's two 12-bit halves, both exact."""
+    eh, el = nm._split12(e)
+    return (c + k * eh) + k * el
+
+
+def session12_recip_f32(b):
+    """1 / b as sessions 3-12 computed it: the bit-trick seed and 4 Newton steps y * (2 - b y)
+    with 2 - b y from ``numerics.mac``'s four exact partial products."""
+    y = nm._f32(np.uint32(0x7EF311C3) - nm._u32(b))
+    for _ in range(4):
+        y = y * nm.mac(jnp.float32(2.0), -b, y)
+    return y
+
+
 # Sessions 1-7's exp (replaced in session 8 by numerics.exp_f32's table form): a
 # degree-9 Taylor polynomial of four-product ``mac`` steps after a ln 2 reduction.
 # Kept for what was made with it: the saved Triton FMA pools' golden bytes

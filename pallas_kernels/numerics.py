@@ -91,6 +91,21 @@ def _split12(a):
     return hi, lo
 
 
+def rounded(p):
+    """p, unchanged, as a rounded f32 that no compiler can fuse into the add it feeds.
+
+    An unsigned min of p's bits with 0xFFFFFFFE: the one pattern it changes is a NaN
+    (sign set, all exponent and mantissa bits set) that no arithmetic here produces, so
+    no compiler can prove it a no-op and drop it, and an integer op sits between the
+    multiply and the add: the multiply must round on its own. ``c + rounded(a * b)`` is
+    the separately rounded multiply and add on every backend, whatever it contracts
+    (XLA on CPU and GPU by fusion context, Triton and NVPTX by default). One integer
+    instruction, against the four partial products of ``mac``. Used since session 13
+    by ``exp_f32``, ``recip_f32`` and ``mac_bf16``.
+    """
+    return _f32(jnp.minimum(_u32(p), np.uint32(0xFFFFFFFE)))
+
+
 def mac(c, a, b):
     """c + a*b from four exact partial products (12 x 12 bits each).
 
@@ -136,46 +151,39 @@ def ape_with_exp_table(ape):
     return jnp.concatenate([ape.astype(jnp.float32).reshape(-1), jnp.asarray(EXP_TABLE)])
 
 
-def _hi12(a):
-    return _split12(a)[0]
-
-
 def exp_f32(d, lookup=None):
     """e**d for f32 d (clamped to [-87, 88]); about 1 ulp, identical bits on every backend.
 
     d = k ln2/64 + r with k = floor(d * 64 log2 e) and r in [0, ln2/64) from a
     three-part ln2/64 (exact products with k); e**d = 2**(k >> 6) * T[k & 63] * e**r
     with T = EXP_TABLE (``lookup`` gives T[j]; default: an XLA gather of the
-    constant). e**r = 1 + q, q = r + r**2/2 + r**3/6 (r**4/24 < 2**-30): r**2 from
-    the 12-bit halves of r, r**3/6 from 12-bit truncations (it only needs ~8 bits),
-    and T * (1 + q) = T + T*q from three 12 x 12-bit partial products. Every product
-    is exact, so contracted and separate multiply-adds round alike. Replaced (session
-    8) a degree-9 polynomial of four-product steps: the H200 compression kernel
-    executes 42 % fewer instructions with it (ncu) and the error fell from 2.3 to
-    1.1 ulp at most.
+    constant). e**r = 1 + q with q = r (1 + r (1/2 + r/6)) (Horner; r**4/24 < 2**-30)
+    and T e**r = T + T q. Every product that meets an add goes through ``rounded``, so
+    the multiply rounds on its own whatever the compiler contracts.
+
+    History: sessions 1-7 used a degree-9 polynomial of exact four-product steps; session
+    8 the table with exact 12 x 12-bit partial products (42 % fewer instructions); session
+    13 this form (the same table and reduction, max error 1.10 ulp against 1.12).
     """
     lookup = exp_table_lookup if lookup is None else lookup
     d = jnp.clip(d, -87.0, 88.0)
     kf = jnp.floor(d * EXP_SCALE)                          # |k| <= 8125
-    r = ((d - kf * EXP_L1) - kf * EXP_L2) - kf * EXP_L3    # [-tiny, ln2/64)
+    r = ((d - kf * EXP_L1) - kf * EXP_L2) - kf * EXP_L3    # [-tiny, ln2/64): exact products
     k = kf.astype(jnp.int32)
     t = lookup(k & (EXP_TABLE_SIZE - 1))                   # T[j] in [1, 2)
-    rh, rl = _split12(r)
-    r2 = rh * rh + rh * (rl + rl)                          # r**2 (drops rl**2 < 2**-24 r**2)
-    r3 = _hi12(r2) * _hi12(rh * EXP_C6)                    # ~ r**3 / 6
-    q = r + (r2 * 0.5 + r3)                                # e**r - 1
-    th, tl = _split12(t)
-    qh, ql = _split12(q)
-    e = t + ((th * qh + th * ql) + tl * qh)                # T (1 + q); tl*ql < 2**-27 T q dropped
+    q = r * (1.0 + rounded(r * (0.5 + rounded(r * EXP_C6))))   # e**r - 1
+    e = t + rounded(t * q)                                 # T (1 + q)
     two_n = _f32((((k >> EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))
     return e * two_n
 
 
 def recip_f32(b):
-    """1 / b for positive normal f32 b: bit-trick seed + 4 Newton steps (about 1 ulp)."""
+    """1 / b for positive normal f32 b: bit-trick seed + 4 Newton steps y (2 - b y),
+    the product b y rounded on its own (``rounded``); at most 1.5 ulp (2.0 with session
+    8-12's exact four-product steps, whose bits ``testing.session12_recip_f32`` keeps)."""
     y = _f32(np.uint32(0x7EF311C3) - _u32(b))
     for _ in range(4):
-        y = y * mac(jnp.float32(2.0), -b, y)
+        y = y * (2.0 - rounded(b * y))
     return y
 
 
@@ -237,11 +245,10 @@ def rotate_quant(x):
 
 
 def mac_bf16(c, k, e):
-    """c + k*e for a bf16-valued k (8 significant bits) and any f32 e: two exact
-    partial products (8 x 12 bits), k * e_hi then k * e_lo, so any contraction of
-    the multiply-adds rounds alike (as ``mac``, at half its products)."""
-    eh, el = _split12(e)
-    return (c + k * eh) + k * el
+    """c + k*e for the pooled sum (k a bf16-valued key, e an exp weight): the product
+    rounded on its own (``rounded``), then the add. Sessions 8-12 split e into two 12-bit
+    halves for two exact partial products instead (other bits, one more instruction)."""
+    return c + rounded(k * e)
 
 
 def compress_pool(keys, gates, ape_rows, exp_lookup=None):

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from glm5_jax.testing import session7_exp_f32
+from glm5_jax.testing import session7_exp_f32, session12_recip_f32
 from pallas_kernels import numerics as nm
 
 F32 = np.float32
@@ -84,6 +84,7 @@ def test_hadamard128_matches_matrix_definition(rng):
 
 def test_hadamard128_equals_numpy_butterfly_bitwise(rng):
     x = (rng.standard_normal((3, 5, 128)) * np.exp2(rng.uniform(-20, 20, (3, 5, 1)))).astype(F32)
+    x[2, 4] *= np.exp2(rng.uniform(-30, 30, 128)).astype(F32)     # a row of widely spread exponents
     want = _butterfly_np(x)
     got_jit = np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x)))
     got_eager = np.asarray(nm.hadamard128(jnp.asarray(x)))
@@ -314,51 +315,51 @@ def _exact(a, b):
 
 
 def _exp_model(d, fused):
-    """numerics.exp_f32 step by step in numpy, each multiply-add fused or not."""
+    """numerics.exp_f32 step by step in numpy. fused: every multiply-add that a compiler
+    could contract is fused (one rounding), as if ``rounded`` were not there; else each
+    multiply rounds on its own (what ``rounded`` guarantees)."""
     f = lambda v: np.asarray(v, F32)                                            # noqa: E731
     d = np.clip(d, -87.0, 88.0).astype(F32)
     kf = np.floor((d * F32(nm.EXP_SCALE)).astype(F32))
     r = d
     for part in (nm.EXP_L1, nm.EXP_L2, nm.EXP_L3):
-        assert _exact(kf, f(part))
+        assert _exact(kf, f(part))              # exact: fused or not, the same r
         r = _mul_add(-kf, f(part), r, fused)
     k = kf.astype(np.int32)
     t = nm.EXP_TABLE[k & 63]
-    rh, rl = _split12_np(r)
-    rl2 = (rl + rl).astype(F32)
-    assert _exact(rh, rh) and _exact(rh, rl2)
-    r2 = _mul_add(rh, rl2, (rh * rh).astype(F32), fused)
-    hi = lambda v: (v.view(np.uint32) & np.uint32(0xFFFFF000)).view(F32)      # noqa: E731
-    c = (rh * F32(nm.EXP_C6)).astype(F32)
-    assert _exact(rh, f(nm.EXP_C6)) and _exact(hi(r2), hi(c))
-    r3 = (hi(r2) * hi(c)).astype(F32)
-    q = (r + _mul_add(r2, f(0.5), r3, fused)).astype(F32)
-    th, tl = _split12_np(t)
-    qh, ql = _split12_np(q)
-    assert _exact(th, qh) and _exact(th, ql) and _exact(tl, qh)
-    tq = _mul_add(tl, qh, _mul_add(th, ql, (th * qh).astype(F32), fused), fused)
-    e = (t + tq).astype(F32)
+    a1 = _mul_add(r, f(nm.EXP_C6), f(0.5), fused)
+    a2 = _mul_add(r, a1, f(1.0), fused)
+    q = (r * a2).astype(F32)
+    e = _mul_add(t, q, t, fused)
     two_n = (((k >> 6) + 127).astype(np.uint32) << np.uint32(23)).view(F32)
     return (e * two_n).astype(F32)
 
 
-def test_exp_f32_products_are_exact_so_contraction_cannot_change_a_bit(rng):
-    """Every multiply-add of exp_f32 gives the same bits fused (FMA) or not, and the
-    jitted function equals that step-by-step model (on the GPU: XLA's code)."""
-    d = np.concatenate([rng.uniform(-87, 0, 100000), -np.exp2(rng.uniform(-40, 6, 20000)),
-                        rng.uniform(0, 88, 20000), [0.0, -0.0, -87.0, 88.0, -1e-30]]).astype(F32)
-    sep, fus = _exp_model(d, False), _exp_model(d, True)
-    np.testing.assert_array_equal(_bits(fus), _bits(sep))
-    np.testing.assert_array_equal(_bits(np.asarray(jax.jit(nm.exp_f32)(jnp.asarray(d)))), _bits(sep))
-    # the lookup kernels pass (a gather from their table input) gives the same bits
+def _exp_inputs(rng):
+    return np.concatenate([rng.uniform(-87, 0, 100000), -np.exp2(rng.uniform(-40, 6, 20000)),
+                           rng.uniform(0, 88, 20000), [0.0, -0.0, -87.0, 88.0, -1e-30]]).astype(F32)
+
+
+def test_exp_f32_rounds_each_product_on_its_own(rng):
+    """exp_f32 equals the step-by-step model with every multiply rounded on its own: in a
+    plain jit, inside a loop (where XLA fuses differently), and through a kernel's table
+    lookup. On the GPU this is XLA's code; the kernels' tests check Pallas and Triton."""
+    d = _exp_inputs(rng)
+    want = _exp_model(d, fused=False)
+    np.testing.assert_array_equal(_bits(np.asarray(jax.jit(nm.exp_f32)(jnp.asarray(d)))), _bits(want))
+    looped = jax.jit(lambda x: lax.fori_loop(0, 2, lambda i, c: nm.exp_f32(x) + c * 0.0, x))(jnp.asarray(d))
+    np.testing.assert_array_equal(_bits(np.asarray(looped)), _bits(want))
     tab = jnp.asarray(nm.exp_table_input())
     got = jax.jit(lambda x: nm.exp_f32(x, lambda j: tab[jnp.zeros_like(j), j]))(jnp.asarray(d))
-    np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(sep))
+    np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(want))
 
 
-def test_exp_model_detects_an_inexact_product(rng):
-    """The fused-vs-separate comparison above can fail: with a 16-bit ln2/64 part
-    (k * part needs up to 29 bits) the two evaluations differ."""
+def test_exp_model_fused_differs_so_the_rounding_matters(rng):
+    """The model is sharp: contracting its multiply-adds (what ``rounded`` prevents)
+    changes some results, and with a 16-bit ln2/64 part (k * part needs up to 29 bits)
+    even the reduction would depend on contraction."""
+    d = _exp_inputs(rng)
+    assert np.any(_bits(_exp_model(d, fused=True)) != _bits(_exp_model(d, fused=False)))
     d = rng.uniform(-87, 0, 20000).astype(F32)
     kf = np.floor((d * F32(nm.EXP_SCALE)).astype(F32))
     part = F32(nm._short(nm._EXP_L, 16))
@@ -368,19 +369,33 @@ def test_exp_model_detects_an_inexact_product(rng):
     assert np.any(_bits(sep) != _bits(fus))
 
 
-def test_mac_bf16_exact_products(rng):
-    """mac_bf16: bf16 k times each 12-bit half of e is exact, so fused == separate,
-    and the jitted function equals the model and is an accurate c + k*e."""
+def test_rounded_keeps_every_value_and_stays_in_the_program(rng):
+    """numerics.rounded returns its input's bits for every non-NaN f32 (zeros, subnormals,
+    infinities included), and the integer min that forces the multiply to round alone is
+    still in the jitted program (XLA did not fold it away)."""
+    x = np.concatenate([_random_f32(rng, 50000, -140, 120), -_random_f32(rng, 50000, -140, 120),
+                        np.array([0.0, -0.0, np.inf, -np.inf, 2.0**-149, -(2.0**-149)], F32)]).astype(F32)
+    got = np.asarray(jax.jit(nm.rounded)(jnp.asarray(x)))
+    ok = np.abs(x) >= 2.0**-126                 # XLA on CPU flushes subnormal results
+    np.testing.assert_array_equal(_bits(got)[ok], _bits(x)[ok])
+    hlo = jax.jit(lambda a, b, c: c + nm.rounded(a * b)).lower(*(jnp.ones(8, F32),) * 3).compile().as_text()
+    assert "minimum" in hlo, hlo
+
+
+def test_mac_bf16_rounds_the_product_on_its_own(rng):
+    """mac_bf16 is c + (k*e rounded): the same bits in a plain jit and inside a loop,
+    not the fused multiply-add (which differs somewhere), and accurate."""
     n = 50000
     k = _random_f32(rng, n, -20, 20).astype(ml_dtypes.bfloat16).astype(F32)
     e = _random_f32(rng, n, -20, 20)
     c = _random_f32(rng, n, -20, 20)
-    eh, el = _split12_np(e)
-    assert _exact(k, eh) and _exact(k, el)
-    models = [_mul_add(k, el, _mul_add(k, eh, c, fused), fused) for fused in (False, True)]
-    np.testing.assert_array_equal(_bits(models[0]), _bits(models[1]))
-    got = np.asarray(jax.jit(nm.mac_bf16)(jnp.asarray(c), jnp.asarray(k), jnp.asarray(e)))
-    np.testing.assert_array_equal(_bits(got), _bits(models[0]))
+    sep, fus = _mul_add(k, e, c, False), _mul_add(k, e, c, True)
+    assert np.any(_bits(sep) != _bits(fus))
+    args = (jnp.asarray(c), jnp.asarray(k), jnp.asarray(e))
+    got = np.asarray(jax.jit(nm.mac_bf16)(*args))
+    np.testing.assert_array_equal(_bits(got), _bits(sep))
+    looped = jax.jit(lambda c, k, e: lax.fori_loop(0, 2, lambda i, a: nm.mac_bf16(c, k, e), c))(*args)
+    np.testing.assert_array_equal(_bits(np.asarray(looped)), _bits(sep))
     exact = c.astype(np.float64) + k.astype(np.float64) * e
     scale = np.abs(c).astype(np.float64) + np.abs(k.astype(np.float64) * e)
     assert np.all(np.abs(got - exact) <= 2 * 2.0**-24 * scale)
@@ -399,6 +414,11 @@ def test_recip_f32_accuracy(rng):
     assert ulps.max() <= 2, f"max {ulps.max()} ulp at b={b[np.argmax(ulps)]!r}"
     loop = np.asarray(jax.jit(lambda x: lax.fori_loop(0, 2, lambda i, c: nm.recip_f32(x), x))(jnp.asarray(b)))
     np.testing.assert_array_equal(_bits(loop), _bits(got))
+    # each Newton step's product b*y rounds on its own (numpy: separate multiply and add)
+    y = (np.uint32(0x7EF311C3) - b.view(np.uint32)).view(F32)
+    for _ in range(4):
+        y = (y * (F32(2) - (b * y).astype(F32))).astype(F32)
+    np.testing.assert_array_equal(_bits(got), _bits(y))
 
 
 def _split12_np(a):
@@ -583,7 +603,7 @@ def test_saved_triton_fma_pools_root_cause():
     the wrong bytes exactly, which pins the cause on lo = a - hi of a product."""
     d, pools = _saved_pools()
     ape = d["ape"].astype(F32)
-    recip = lambda den: np.asarray(nm.recip_f32(jnp.asarray(den)))      # noqa: E731
+    recip = lambda den: np.asarray(session12_recip_f32(jnp.asarray(den)))      # noqa: E731
     for j, (k, g) in enumerate(pools):
         q8, _ = nm.rotate_quant(_s3_softmax_pool(k, g, ape, recip))
         got = np.asarray(q8).view(np.uint8)

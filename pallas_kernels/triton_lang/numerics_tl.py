@@ -5,17 +5,19 @@ Every function takes tiles of shape [M, 128] (M a power of two; a single row is
 [1, 128]) and is a ``@triton.jit`` helper inlined into the kernels. What makes
 the bits match across backends (see numerics.py and docs/design.md):
 
-* ``mac`` forms c + a*b from four exact 12 x 12-bit partial products, so an
-  FMA and a separate multiply and add round alike; the split of an operand into
-  12-bit halves uses only its bits (``split12``), because Triton contracted the
-  old ``lo = a - hi`` with the product that made ``a`` (measured on the H200:
-  21 of 65,536 pools off by one fp8 step); every other product that reaches an
-  add is exact (k * ln2/64 parts, 12-bit halves, powers of two). On top of that
-  the launches turn Triton's FMA contraction off (``_call.Launch.fp_fusion``),
-  like the Pallas path; the GPU tests check both settings against the golden model.
+* every product that reaches an add in ``exp_f32``, ``recip_f32`` and ``mac_bf16``
+  passes through ``rounded`` (an unsigned min of its bits with a NaN pattern: the
+  value is unchanged, but the multiply must round on its own), so an FMA cannot
+  form; the other products that reach an add are exact (k * ln2/64 parts). ``mac``
+  (c + a*b from four exact 12 x 12-bit partial products, the split from the bits,
+  ``split12``, since Triton contracted the old ``lo = a - hi`` with the product
+  that made ``a``: 21 of 65,536 pools off on the H200) mirrors ``numerics.mac``.
+  On top of that the launches turn Triton's FMA contraction off
+  (``_call.Launch.fp_fusion``), like the Pallas path; the GPU tests check both
+  settings against the golden model.
 * no Triton ``exp``, ``exp2``, ``log2`` or f32 division: ``exp_f32`` (reduction by
-  ln2/64, the 64-entry table ``numerics.EXP_TABLE`` read from memory, a cubic in
-  exact-product form, exponent bits) and ``recip_f32`` (bit seed + 4 Newton steps)
+  ln2/64, the 64-entry table ``numerics.EXP_TABLE`` read from memory, a cubic with
+  rounded products, exponent bits) and ``recip_f32`` (bit seed + 4 Newton steps)
   are built from add, mul, floor, loads and integer bit operations;
 * bf16 rounding, the power-of-two scale and the e4m3 code are integer bit
   operations, and bf16 -> f32 is a 16-bit shift of the bits;
@@ -56,6 +58,7 @@ INV_FP8_MAX = _f32c(1.0 / nm.FP8_MAX)
 EXP_LO = _f32c(-87.0)
 EXP_HI = _f32c(88.0)
 NAN_ALL = tl.constexpr(tl.PropagateNan.ALL)
+ROUNDED_MAX_BITS = tl.constexpr(0xFFFFFFFE)          # numerics.rounded: min(bits, this) keeps every non-NaN value
 
 
 # ---- bit views ----------------------------------------------------------------
@@ -95,16 +98,15 @@ def mac(c, a, b):
 
 
 @triton.jit
-def hi12(a):
-    """The hi part of split12(a): a's top 12 significant bits."""
-    return as_f32(as_u32(a) & 0xFFFFF000)
+def rounded(p):
+    """numerics.rounded: p unchanged, but rounded on its own before the add it feeds."""
+    return as_f32(tl.minimum(as_u32(p), ROUNDED_MAX_BITS))
 
 
 @triton.jit
 def mac_bf16(c, k, e):
-    """numerics.mac_bf16: c + k*e for bf16-valued k, two exact partial products."""
-    eh, el = split12(e)
-    return (c + k * eh) + k * el
+    """numerics.mac_bf16: c + (k*e rounded)."""
+    return c + rounded(k * e)
 
 
 @triton.jit
@@ -115,13 +117,8 @@ def exp_f32(d, tab_ptr):
     r = ((d - kf * EXP_L1) - kf * EXP_L2) - kf * EXP_L3
     k = kf.to(tl.int32)
     t = tl.load(tab_ptr + (k & EXP_TABLE_MASK))
-    rh, rl = split12(r)
-    r2 = rh * rh + rh * (rl + rl)
-    r3 = hi12(r2) * hi12(rh * EXP_C6)
-    q = r + (r2 * 0.5 + r3)
-    th, tl_ = split12(t)
-    qh, ql = split12(q)
-    e = t + ((th * qh + th * ql) + tl_ * qh)
+    q = r * (1.0 + rounded(r * (0.5 + rounded(r * EXP_C6))))
+    e = t + rounded(t * q)
     two_n = as_f32((((k >> EXP_TABLE_BITS) + 127) << 23).to(tl.uint32))
     return e * two_n
 
@@ -130,10 +127,10 @@ def exp_f32(d, tab_ptr):
 def recip_f32(b):
     """numerics.recip_f32: 1 / b for positive normal b (bit seed + 4 Newton steps)."""
     y = as_f32(0x7EF311C3 - as_u32(b))
-    y = y * mac(2.0, -b, y)
-    y = y * mac(2.0, -b, y)
-    y = y * mac(2.0, -b, y)
-    y = y * mac(2.0, -b, y)
+    y = y * (2.0 - rounded(b * y))
+    y = y * (2.0 - rounded(b * y))
+    y = y * (2.0 - rounded(b * y))
+    y = y * (2.0 - rounded(b * y))
     return y
 
 
