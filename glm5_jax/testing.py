@@ -80,6 +80,25 @@ def session12_recip_f32(b):
     return y
 
 
+def session12_e4m3_bits(v):
+    """numerics.e4m3_bits as sessions 1-12 computed it, from integer bit operations (the same
+    bits for |v| <= 448)."""
+    u = nm._u32(v)
+    sign = (u >> 24) & np.uint32(0x80)
+    a = u & np.uint32(0x7FFFFFFF)
+    # normal range (|v| >= 2**-6): round the f32 mantissa to 3 bits, re-bias 127 -> 7
+    normal = ((a + (np.uint32(0x7FFFF) + ((a >> 20) & np.uint32(1)))) >> 20) - np.uint32((127 - 7) << 3)
+    # subnormal range: |v| * 2**9 in [0, 8), rounded to an integer, ties to even
+    t = jnp.abs(v) * 512.0
+    n = jnp.floor(t)
+    frac = t - n
+    ni = n.astype(jnp.int32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((ni & 1) == 1))
+    sub = (ni + up.astype(jnp.int32)).astype(jnp.uint32)
+    code = jnp.where(a >= np.uint32(0x3C800000), normal, sub) | sign
+    return code.astype(jnp.uint8)
+
+
 # Sessions 1-7's exp (replaced in session 8 by numerics.exp_f32's table form): a
 # degree-9 Taylor polynomial of four-product ``mac`` steps after a ln 2 reduction.
 # Kept for what was made with it: the saved Triton FMA pools' golden bytes

@@ -195,21 +195,13 @@ def round_bf16(x):
 
 
 def e4m3_bits(v):
-    """float8_e4m3fn bit pattern (uint8) of f32 v with |v| <= 448, round to nearest even."""
-    u = _u32(v)
-    sign = (u >> 24) & np.uint32(0x80)
-    a = u & np.uint32(0x7FFFFFFF)
-    # normal range (|v| >= 2**-6): round the f32 mantissa to 3 bits, re-bias 127 -> 7
-    normal = ((a + (np.uint32(0x7FFFF) + ((a >> 20) & np.uint32(1)))) >> 20) - np.uint32((127 - 7) << 3)
-    # subnormal range: |v| * 2**9 in [0, 8), rounded to an integer, ties to even
-    t = jnp.abs(v) * 512.0
-    n = jnp.floor(t)
-    frac = t - n
-    ni = n.astype(jnp.int32)
-    up = (frac > 0.5) | ((frac == 0.5) & ((ni & 1) == 1))
-    sub = (ni + up.astype(jnp.int32)).astype(jnp.uint32)
-    code = jnp.where(a >= np.uint32(0x3C800000), normal, sub) | sign
-    return code.astype(jnp.uint8)
+    """float8_e4m3fn bit pattern (uint8) of f32 v with |v| <= 448 (callers clip first),
+    round to nearest even: the dtype conversion, which rounds that way in XLA (CPU and
+    GPU) and in Pallas's Triton (the hardware's cvt.rn.satfinite), with the same bits as
+    ml_dtypes (test_numerics). Sessions 1-12 built the code from integer bit operations
+    (``testing.session12_e4m3_bits``, the same bits); the conversion makes the
+    compression kernel 4-5 % faster on the H200 (session 13, run 6)."""
+    return lax.bitcast_convert_type(v.astype(FP8), jnp.uint8)
 
 
 def pow2_scale(amax):
