@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 13's device calls, one H200.
-#   PART=decode    the numerics and write-kernel tests compiled (exp_f32's cheaper splits of
-#                  sums, the in-place Hadamard's bits; the decode update's odd batches at kpool
-#                  16 for the first time on the GPU), then probe_compress.py --decode: where the
-#                  decode update's latency goes (device spans against an empty kernel)
+#   PART=decode    the numerics and write-kernel tests compiled (run 1: the decode update's odd
+#                  batches at kpool 16 for the first time on the GPU), then probe_compress.py
+#                  --decode: where the decode update's latency goes (device spans against an
+#                  empty kernel; $PROBES_DECODE)
 #   PART=probes    the decode probes, then the compression probes (no tests)
 #   PART=numerics  session 13's numerics (products rounded on their own through numerics.rounded,
 #                  in exp_f32, recip_f32, mac_bf16 and their Triton-language port): the numerics,

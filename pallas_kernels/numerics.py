@@ -5,7 +5,7 @@ operations in the same order.
 Everything works on jnp arrays with a trailing dimension of 128 and any leading
 shape, inside and outside Pallas kernels. Only ops that the Pallas Triton
 lowering supports are used: reshape, broadcast, elementwise, reductions, iota,
-same-width bitcasts and integer shifts.
+same-width bitcasts, integer shifts and the f32 -> float8_e4m3fn conversion.
 """
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def hadamard128(x):
     return x
 
 
-# Every inexact float operation below is built from IEEE add/sub/mul, floor and
-# integer bit operations, so XLA (CPU, GPU) and Triton produce the same bits.
+# Every inexact float operation below is built from IEEE add/sub/mul, floor,
+# integer bit operations and the round-to-nearest-even fp8 conversion of values
+# already clipped to +-448, so XLA (CPU, GPU) and Triton produce the same bits.
 # XLA's own exp differs by context even on one backend, XLA may drop a
 # f32->bf16->f32 round trip (xla_allow_excess_precision), and Triton's f32
 # division is approximate; none of those are used.
