@@ -44,27 +44,26 @@ from _timing import empty_launch_step  # noqa: E402
 
 
 def hadamard128_inplace(x):
-    """hadamard128 in the spec's in-place order: stage with stride s pairs elements i
-    and i + s (the index bit s) and leaves the sum at i and the difference at i + s.
+    """hadamard128 in the spec's in-place order: the stage with stride s pairs elements
+    i and i + s and leaves the sum at i and the difference at i + s.
 
     Each stage views the 128 values as [128 / 2s, 2, s] in their natural order (a
-    reshape that only splits the index, never permutes it), takes the two halves
-    with a 2-element masked sum over the middle axis and puts (a + b, a - b) back in
-    place with a select. The outputs are the same single adds and subtracts of the
-    same operands as ``hadamard128``, so the bits are identical (checked against the
-    reference before timing); a compiler could keep the values where they are between
-    stages instead of moving them into a new order at every stage. On the H200 it did
-    not help: 5 % slower in both write kernels (session 13, runs 1-2). (No -0 enters the transform: the pooled
-    input is never -0 and a + b or a - b of such values is -0 only if an operand is.)
+    reshape that only splits the index, never permutes it), takes the two halves with
+    a 2-element masked sum over the middle axis and puts (a + b, a - b) back in place
+    with a select. The outputs are the same single adds and subtracts of the same
+    operands as ``hadamard128``, so the bits are identical (checked against the
+    reference before timing; no -0 enters: the pooled input is never -0, and a + b or
+    a - b is -0 only if an operand is). A compiler could keep the values in place
+    between stages instead of moving them into a new order at every stage; on the H200
+    it did not: 5 % slower in both write kernels (session 13, runs 1-2).
     """
     lead = x.shape[:-1]
-    n = len(lead)
     s = 1
     while s < nm.HEAD_DIM:
         shape3 = lead + (nm.HEAD_DIM // (2 * s), 2, s)
-        half = jax.lax.broadcasted_iota(jnp.int32, shape3, n + 1)                                     # [..., G, 2, s]: which half
+        half = jax.lax.broadcasted_iota(jnp.int32, shape3, len(lead) + 1)   # [..., G, 2, s]: which half
         v = x.reshape(shape3)
-        a = jnp.sum(jnp.where(half == 0, v, 0.0), axis=-2)             # [..., G, s]
+        a = jnp.sum(jnp.where(half == 0, v, 0.0), axis=-2)                   # [..., G, s]
         b = jnp.sum(jnp.where(half == 1, v, 0.0), axis=-2)
         x = jnp.where(half == 0, (a + b)[..., None, :], (a - b)[..., None, :]).reshape(lead + (nm.HEAD_DIM,))
         s *= 2
@@ -75,7 +74,7 @@ def _plain_mac(c, a, b):
     return c + a * b
 
 
-def _fast_exp(d, lookup=None, splits=None):
+def _fast_exp(d, lookup=None):
     return jnp.exp(jnp.clip(d, -87.0, 88.0))
 
 
@@ -87,7 +86,7 @@ def _no_hadamard(x):
     return x
 
 
-def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None, exp_splits=None):
+def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None):
     """compress_pool's shapes with none of its work: the newest member's key as the fp8
     row, its largest element as the scale (the kernel's loads and stores stay; a
     reduction, since the Pallas Triton lowering has no slice)."""
@@ -101,8 +100,9 @@ PROBES = {
     "hadamard in place": {"hadamard128": hadamard128_inplace},
     "e4m3 from bit ops": {"e4m3_bits": session12_e4m3_bits},       # sessions 1-12
     # timing probes (bytes differ by design)
+    # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_f32": session12_exp_f32, "mac_bf16": session12_mac_bf16,
-                            "recip_f32": session12_recip_f32, "e4m3_bits": session12_e4m3_bits},  # same-run baseline
+                            "recip_f32": session12_recip_f32, "e4m3_bits": session12_e4m3_bits},
     "session-7 numerics": {"exp_f32": session7_exp_f32, "mac_bf16": nm.mac, "recip_f32": session12_recip_f32},
     "mac -> c + a*b": {"mac": _plain_mac, "mac_bf16": _plain_mac},
     "exp -> jnp.exp": {"exp_f32": _fast_exp},
