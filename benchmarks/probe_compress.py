@@ -198,19 +198,19 @@ def _shape(text):
 def compress(probes, shapes, rng, token_counts, quick, calls=30):
     span_us = _tracer(quick, calls)
     copy_bytes = (1 << 22) if quick else tw.COPY_BYTES
-    copy_bw = 2 * copy_bytes / (span_us(lambda x: x + jnp.uint32(1), jnp.zeros((copy_bytes // 4,), jnp.uint32))
+    copy_Bps = 2 * copy_bytes / (span_us(lambda x: x + jnp.uint32(1), jnp.zeros((copy_bytes // 4,), jnp.uint32))
                                 * 1e-6)
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
-          f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (device span of a {copy_bytes >> 20} MiB copy)")
+          f"copy bandwidth {copy_Bps / 1e12:.3f} TB/s (device span of a {copy_bytes >> 20} MiB copy)")
     hdr = f"{'probe':<24}{'tokens':>8}{'tile x warps':>13}{'span us':>10}{'x copy BW':>11}{'saves':>8}  note"
     print(hdr + "\n" + "-" * len(hdr), flush=True)
-    for total in token_counts:
-        layout, sc, pre = bw.prefill_case(rng, total, 4 if quick else 64)
+    for total_tokens in token_counts:
+        layout, sc, pre = bw.prefill_case(rng, total_tokens, 4 if quick else 64)
         s = layout.strides(0)
         args = (jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]), jnp.asarray(sc.ape),
                 jnp.asarray(pre["slot_mapping"]))
-        t = int(args[0].shape[0])
-        nbytes = bw.compress_bytes(t, int((pre["slot_mapping"] >= 0).sum()))
+        tokens = int(args[0].shape[0])
+        nbytes = bw.compress_bytes(tokens, int((pre["slot_mapping"] >= 0).sum()))
         want = np.asarray(ops.compress_prefill(layout.allocate(0x5A), layout, 0, *args, implementation="xla"))
         base = {}
         for name, patch in probes:
@@ -220,13 +220,14 @@ def compress(probes, shapes, rng, token_counts, quick, calls=30):
                     note = _check(name, step(layout.allocate(0x5A), *args), want)
                     us = span_us(step, layout.allocate(0), *args)
                 shape = f"{'d' if tp is None else tp}x{nw}"
-                base.setdefault(shape, us if name == "exact" else None)
-                saves = f"{1 - us / base[shape]:>8.0%}" if base[shape] else f"{'-':>8}"
-                frac = nbytes / (us * 1e-6) / copy_bw
-                print(f"{name:<24}{t:>8}{shape:>13}{us:>10.2f}{frac:>11.3f}{saves}  {note}", flush=True)
+                if name == "exact" and shape not in base:
+                    base[shape] = us
+                saves = f"{1 - us / base[shape]:>8.0%}" if shape in base else f"{'-':>8}"
+                frac = nbytes / (us * 1e-6) / copy_Bps
+                print(f"{name:<24}{tokens:>8}{shape:>13}{us:>10.2f}{frac:>11.3f}{saves}  {note}", flush=True)
     print("\nx copy BW: (bytes moved / span) / copy bandwidth of this run; saves: 1 - probe / exact at "
-          "the same launch shape (exact first). Only 'exact' is the shipped kernel; the other SAME_BITS "
-          "probes are candidates with its bytes.")
+          "the same launch shape ('-' before the first exact row). Only 'exact' is the shipped kernel; "
+          "the other SAME_BITS probes are candidates with its bytes.")
 
 
 def main(argv=None):
