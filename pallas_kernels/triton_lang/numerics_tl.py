@@ -19,8 +19,9 @@ the bits match across backends (see numerics.py and docs/design.md):
   ln2/64, the 64-entry table ``numerics.EXP_TABLE`` read from memory, a cubic with
   rounded products, exponent bits) and ``recip_f32`` (bit seed + 4 Newton steps)
   are built from add, mul, floor, loads and integer bit operations;
-* bf16 rounding, the power-of-two scale and the e4m3 code are integer bit
-  operations, and bf16 -> f32 is a 16-bit shift of the bits;
+* bf16 rounding and the power-of-two scale are integer bit operations, bf16 -> f32
+  is a 16-bit shift of the bits, and the e4m3 code is the fp8 conversion of values
+  already clipped to +-448 (round to nearest even, like XLA's);
 * the Hadamard transform pairs (a + b, a - b) per stage in the constant-geometry
   order of ``numerics.hadamard128``; each output is canonicalised with ``+ 0.0``
   because XLA's two-element reduction starts from +0 (so an all-zero pair gives
@@ -145,19 +146,11 @@ def round_bf16(x):
 
 @triton.jit
 def e4m3_code(v):
-    """numerics.e4m3_bits as uint32 codes 0..255 of f32 v with |v| <= 448."""
-    u = as_u32(v)
-    sign = (u >> 24) & 0x80
-    a = u & 0x7FFFFFFF
-    normal = ((a + (0x7FFFF + ((a >> 20) & 1))) >> 20) - ((127 - 7) << 3)
-    t = tl.abs(v) * 512.0
-    n = tl.floor(t)
-    frac = t - n
-    ni = n.to(tl.int32)
-    up = (frac > 0.5) | ((frac == 0.5) & ((ni & 1) == 1))
-    sub = (ni + up.to(tl.int32)).to(tl.uint32)
-    code = tl.where(a >= 0x3C800000, normal, sub) | sign
-    return code & 0xFF
+    """numerics.e4m3_bits as uint32 codes 0..255 of f32 v with |v| <= 448: the fp8
+    conversion (cvt.rn.satfinite on sm_90, round to nearest even), as in the Pallas
+    kernels since session 13. Sessions 1-13 built the code from integer bit operations
+    (``glm5_jax.testing.session12_e4m3_bits``, the same bits for |v| <= 448)."""
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
 
 
 @triton.jit
