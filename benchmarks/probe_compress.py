@@ -15,6 +15,9 @@ probes are timing probes whose bytes differ by design. Reported: the span, the
 fraction of copy bandwidth (bytes counted as bench_writes.compress_bytes) and the
 share of the exact kernel's time the probe removes.
 
+``--profile`` runs each probe once inside the CUDA profiler's window instead (for
+``ncu --profile-from-start off``; with ``--decode``, at ``--batches`` x ``--next-n``).
+
 ``--decode`` runs the probes on the decode update (B = 256 and 1, next_n 1 and 4)
 against the empty kernel; "no pool arithmetic" leaves only its loads, branches and
 stores: the latency floor of its memory chain.
@@ -70,6 +73,63 @@ def hadamard128_inplace(x):
     return x
 
 
+def hadamard128_unstack(x):
+    """hadamard128's constant-geometry stages with the pairs taken apart and put back by
+    lax.unstack / lax.stack (Triton split / join) instead of a masked product and a
+    2-element sum: a + b and a - b directly, no multiply by +-1. The input's -0 become +0
+    first (an integer select, which no compiler folds): the old form's XLA reduction
+    starts from +0, so it never gives -0, and no later stage can make one."""
+    lead = x.shape[:-1]
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    x = jax.lax.bitcast_convert_type(jnp.where(u == np.uint32(0x80000000), np.uint32(0), u), jnp.float32)
+    for _ in range(7):
+        a, b = jax.lax.unstack(x.reshape(lead + (nm.HEAD_DIM // 2, 2)), axis=-1)      # [..., 64] each
+        y = jax.lax.stack([a + b, a - b], axis=-1)                                   # [..., 64, 2]
+        x = jnp.swapaxes(y, -1, -2).reshape(lead + (nm.HEAD_DIM,))                   # sums, then differences
+    return x
+
+
+def hadamard128_unstack_inplace(x):
+    """The spec's in-place butterfly (stride s pairs i and i + s) with lax.unstack / stack:
+    [..., G, 2, s] -> [..., G, s, 2] -> (a, b) -> (a + b, a - b) -> back in place. -0 as
+    in ``hadamard128_unstack``."""
+    lead = x.shape[:-1]
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    x = jax.lax.bitcast_convert_type(jnp.where(u == np.uint32(0x80000000), np.uint32(0), u), jnp.float32)
+    s = 1
+    while s < nm.HEAD_DIM:
+        v = jnp.swapaxes(x.reshape(lead + (nm.HEAD_DIM // (2 * s), 2, s)), -1, -2)   # [..., G, s, 2]
+        a, b = jax.lax.unstack(v, axis=-1)                                           # [..., G, s]
+        y = jax.lax.stack([a + b, a - b], axis=-1)                                   # [..., G, s, 2]
+        x = jnp.swapaxes(y, -1, -2).reshape(lead + (nm.HEAD_DIM,))
+        s *= 2
+    return x
+
+
+def pack_fp8_words_unstack(q8):
+    """pack_fp8_words by two pairings: bytes (2j, 2j+1) -> halfword j, halfwords (2w, 2w+1)
+    -> word w (byte 4w+i at bits 8i, the same words)."""
+    lead = q8.shape[:-1]
+    b = jax.lax.bitcast_convert_type(q8, jnp.uint8).astype(jnp.uint32)                # [..., 128]
+    lo, hi = jax.lax.unstack(b.reshape(lead + (64, 2)), axis=-1)
+    h = lo | (hi << 8)                                                                # [..., 64]
+    lo, hi = jax.lax.unstack(h.reshape(lead + (32, 2)), axis=-1)
+    return lo | (hi << 16)                                                            # [..., 32]
+
+
+def pack_bf16_words_unstack(x):
+    lead = x.shape[:-1]
+    h = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    lo, hi = jax.lax.unstack(h.reshape(lead + (64, 2)), axis=-1)
+    return lo | (hi << 16)
+
+
+def unpack_bf16_words_stack(w):
+    lead = w.shape[:-1]
+    h = jax.lax.stack([w & np.uint32(0xFFFF), w >> 16], axis=-1)                     # [..., 64, 2]
+    return jax.lax.bitcast_convert_type(h.astype(jnp.uint16).reshape(lead + (nm.HEAD_DIM,)), jnp.bfloat16)
+
+
 def _plain_mac(c, a, b):
     return c + a * b
 
@@ -99,6 +159,12 @@ PROBES = {
     # candidate forms with the same bits as "exact" (checked before timing)
     "hadamard in place": {"hadamard128": hadamard128_inplace},
     "e4m3 from bit ops": {"e4m3_bits": session12_e4m3_bits},       # sessions 1-12
+    "hadamard unstack": {"hadamard128": hadamard128_unstack},
+    "hadamard unstack in place": {"hadamard128": hadamard128_unstack_inplace},
+    "words by unstack": {"pack_fp8_words": pack_fp8_words_unstack, "pack_bf16_words": pack_bf16_words_unstack,
+                         "unpack_bf16_words": unpack_bf16_words_stack},
+    "unstack all": {"hadamard128": hadamard128_unstack, "pack_fp8_words": pack_fp8_words_unstack,
+                    "pack_bf16_words": pack_bf16_words_unstack, "unpack_bf16_words": unpack_bf16_words_stack},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_f32": session12_exp_f32, "mac_bf16": session12_mac_bf16,
@@ -113,7 +179,8 @@ PROBES = {
                   "mac_bf16": _plain_mac, "hadamard128": _no_hadamard},
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
 }
-SAME_BITS = ("exact", "hadamard in place", "e4m3 from bit ops")
+SAME_BITS = ("exact", "hadamard in place", "e4m3 from bit ops", "hadamard unstack", "hadamard unstack in place",
+             "words by unstack", "unstack all")
 
 
 @contextlib.contextmanager
@@ -189,6 +256,30 @@ def profile(probes, shapes, layout, s, args):
     print("profiled, in order:", "; ".join(order))
 
 
+def profile_decode(probes, rng, batches, next_ns):
+    """decode_update, one call per (probe, batch, next_n), each inside the CUDA profiler's
+    window after a warm-up call outside it (for ncu --profile-from-start off)."""
+    from pallas_kernels.decode_update import decode_update
+    from profile_kernels import cudart
+    lib = cudart()
+    order = []
+    for name, patch in probes:
+        for batch in batches:
+            for nn in next_ns:
+                layout, _, args = bw.decode_case(rng, batch, nn)
+                s = layout.strides(0)
+                with patched(patch):
+                    f = jax.jit(lambda c, *x: decode_update(c, s, *x), donate_argnums=0)
+                    c = jax.block_until_ready(f(layout.allocate(0), *args))
+                    if lib is not None:
+                        lib.cudaProfilerStart()
+                    c = jax.block_until_ready(f(c, *args))
+                    if lib is not None:
+                        lib.cudaProfilerStop()
+                order.append(f"{name} B={batch} next_n={nn}")
+    print("profiled, in order:", "; ".join(order))
+
+
 def _shape(text):
     """'4x4' -> (4, 4); 'dx4' -> (None, 4): the default tile (pool_compress.default_tile_pools)."""
     tile, warps = text.split("x")
@@ -243,12 +334,16 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the probe list this many times in turn (same-run spread of each row)")
     ap.add_argument("--batches", type=int, nargs="*", default=[256, 1], help="decode batch sizes")
+    ap.add_argument("--next-n", type=int, nargs="*", default=[1, 4],
+                    help="decode next_n values (--decode --profile)")
     ap.add_argument("--decode", action="store_true",
                     help="time decode_update (B = 256 and 1, next_n 1 and 4, device spans) instead")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     shapes = [_shape(x) for x in a.shapes.split(",")]
     probes = [(k, PROBES[k]) for k in a.probes.split(",")] * a.repeat
+    if a.decode and a.profile:
+        return profile_decode(probes, rng, a.batches, a.next_n)
     if a.decode:
         return decode(probes, rng, a.quick, a.calls, tuple(a.batches))
     if a.profile:
