@@ -35,7 +35,7 @@ import numpy as np
 
 from glm5_jax import ops
 from glm5_jax.testing import (session7_exp_f32, session12_e4m3_bits, session12_exp_f32, session12_mac_bf16,
-                              session12_recip_f32)
+                              session12_recip_f32, session13_hadamard128)
 from pallas_kernels import numerics as nm
 from pallas_kernels.pool_compress import compress_prefill
 
@@ -46,39 +46,11 @@ import trace_writes as tw  # noqa: E402
 from _timing import empty_launch_step  # noqa: E402
 
 
-def hadamard128_inplace(x):
-    """hadamard128 in the spec's in-place order: the stage with stride s pairs elements
-    i and i + s and leaves the sum at i and the difference at i + s.
-
-    Each stage views the 128 values as [128 / 2s, 2, s] in their natural order (a
-    reshape that only splits the index, never permutes it), takes the two halves with
-    a 2-element masked sum over the middle axis and puts (a + b, a - b) back in place
-    with a select. The outputs are the same single adds and subtracts of the same
-    operands as ``hadamard128``, so the bits are identical (checked against the
-    reference before timing; no -0 enters: the pooled input is never -0, and a + b or
-    a - b is -0 only if an operand is). A compiler could keep the values in place
-    between stages instead of moving them into a new order at every stage; on the H200
-    it did not: 5 % slower in both write kernels (session 13, runs 1-2).
-    """
-    lead = x.shape[:-1]
-    s = 1
-    while s < nm.HEAD_DIM:
-        shape3 = lead + (nm.HEAD_DIM // (2 * s), 2, s)
-        half = jax.lax.broadcasted_iota(jnp.int32, shape3, len(lead) + 1)   # [..., G, 2, s]: which half
-        v = x.reshape(shape3)
-        a = jnp.sum(jnp.where(half == 0, v, 0.0), axis=-2)                   # [..., G, s]
-        b = jnp.sum(jnp.where(half == 1, v, 0.0), axis=-2)
-        x = jnp.where(half == 0, (a + b)[..., None, :], (a - b)[..., None, :]).reshape(lead + (nm.HEAD_DIM,))
-        s *= 2
-    return x
-
-
 def hadamard128_unstack(x):
-    """hadamard128's constant-geometry stages with the pairs taken apart and put back by
-    lax.unstack / lax.stack (Triton split / join) instead of a masked product and a
-    2-element sum: a + b and a - b directly, no multiply by +-1. The input's -0 become +0
-    first (an integer select, which no compiler folds): the old form's XLA reduction
-    starts from +0, so it never gives -0, and no later stage can make one."""
+    """hadamard128 in session 13's constant-geometry order (each stage moves the pairs
+    into a new order) with the pairs taken apart by lax.unstack (a Triton split) like
+    the shipped in-place form. Tried in session 14 (run 2): as fast as the in-place form
+    in the compression kernel, 2-3 % slower in the decode update."""
     lead = x.shape[:-1]
     u = jax.lax.bitcast_convert_type(x, jnp.uint32)
     x = jax.lax.bitcast_convert_type(jnp.where(u == np.uint32(0x80000000), np.uint32(0), u), jnp.float32)
@@ -89,26 +61,11 @@ def hadamard128_unstack(x):
     return x
 
 
-def hadamard128_unstack_inplace(x):
-    """The spec's in-place butterfly (stride s pairs i and i + s) with lax.unstack / stack:
-    [..., G, 2, s] -> [..., G, s, 2] -> (a, b) -> (a + b, a - b) -> back in place. -0 as
-    in ``hadamard128_unstack``."""
-    lead = x.shape[:-1]
-    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    x = jax.lax.bitcast_convert_type(jnp.where(u == np.uint32(0x80000000), np.uint32(0), u), jnp.float32)
-    s = 1
-    while s < nm.HEAD_DIM:
-        v = jnp.swapaxes(x.reshape(lead + (nm.HEAD_DIM // (2 * s), 2, s)), -1, -2)   # [..., G, s, 2]
-        a, b = jax.lax.unstack(v, axis=-1)                                           # [..., G, s]
-        y = jax.lax.stack([a + b, a - b], axis=-1)                                   # [..., G, s, 2]
-        x = jnp.swapaxes(y, -1, -2).reshape(lead + (nm.HEAD_DIM,))
-        s *= 2
-    return x
-
-
 def pack_fp8_words_unstack(q8):
     """pack_fp8_words by two pairings: bytes (2j, 2j+1) -> halfword j, halfwords (2w, 2w+1)
-    -> word w (byte 4w+i at bits 8i, the same words)."""
+    -> word w (byte 4w+i at bits 8i, the same words). Tried in session 14 (run 2, with the
+    bf16 forms below as "words by unstack"): no change in the compression, the decode
+    update 30 % slower."""
     lead = q8.shape[:-1]
     b = jax.lax.bitcast_convert_type(q8, jnp.uint8).astype(jnp.uint32)                # [..., 128]
     lo, hi = jax.lax.unstack(b.reshape(lead + (64, 2)), axis=-1)
@@ -157,14 +114,11 @@ def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None):
 PROBES = {
     "exact": {},
     # candidate forms with the same bits as "exact" (checked before timing)
-    "hadamard in place": {"hadamard128": hadamard128_inplace},
     "e4m3 from bit ops": {"e4m3_bits": session12_e4m3_bits},       # sessions 1-12
+    "session-13 hadamard": {"hadamard128": session13_hadamard128},  # sessions 1-13
     "hadamard unstack": {"hadamard128": hadamard128_unstack},
-    "hadamard unstack in place": {"hadamard128": hadamard128_unstack_inplace},
     "words by unstack": {"pack_fp8_words": pack_fp8_words_unstack, "pack_bf16_words": pack_bf16_words_unstack,
                          "unpack_bf16_words": unpack_bf16_words_stack},
-    "unstack all": {"hadamard128": hadamard128_unstack, "pack_fp8_words": pack_fp8_words_unstack,
-                    "pack_bf16_words": pack_bf16_words_unstack, "unpack_bf16_words": unpack_bf16_words_stack},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_f32": session12_exp_f32, "mac_bf16": session12_mac_bf16,
@@ -179,8 +133,7 @@ PROBES = {
                   "mac_bf16": _plain_mac, "hadamard128": _no_hadamard},
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
 }
-SAME_BITS = ("exact", "hadamard in place", "e4m3 from bit ops", "hadamard unstack", "hadamard unstack in place",
-             "words by unstack", "unstack all")
+SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack")
 
 
 @contextlib.contextmanager

@@ -119,6 +119,23 @@ def session7_exp_f32(d, lookup=None):
     return p * nm._f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
 
 
+def session13_hadamard128(x):
+    """numerics.hadamard128 as sessions 1-13 computed it: constant-geometry stages, each
+    moving the pairs into a new order through a product with +-1 and a 2-element sum
+    (XLA's reduction starts from +0, so no output is -0). The same bits as the in-place
+    form since session 14 (tests/test_numerics.py); kept as that test's second
+    derivation and as the same-run baseline of benchmarks/probe_compress.py."""
+    lead = x.shape[:-1]
+    n = len(lead)
+    shape3 = lead + (2, 64, 2)
+    s_idx = jax.lax.broadcasted_iota(jnp.int32, shape3, n)
+    j_idx = jax.lax.broadcasted_iota(jnp.int32, shape3, n + 2)
+    sign = jnp.where((s_idx & j_idx) == 1, -1.0, 1.0).astype(jnp.float32)     # the 2x2 Hadamard
+    for _ in range(7):
+        x = jnp.sum(x.reshape(lead + (1, 64, 2)) * sign, axis=-1).reshape(lead + (nm.HEAD_DIM,))
+    return x
+
+
 def random_rows(rng: np.random.Generator, n: int, scale: float = 1.0):
     """[n, 128] bf16 rows with per-row magnitudes spread over several decades."""
     mag = np.exp(rng.uniform(np.log(1e-3), np.log(300.0), size=(n, 1))) * scale

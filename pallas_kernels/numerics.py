@@ -5,7 +5,8 @@ operations in the same order.
 Everything works on jnp arrays with a trailing dimension of 128 and any leading
 shape, inside and outside Pallas kernels. Only ops that the Pallas Triton
 lowering supports are used: reshape, broadcast, elementwise, reductions, iota,
-same-width bitcasts, integer shifts and the f32 -> float8_e4m3fn conversion.
+same-width bitcasts, integer shifts, the f32 -> float8_e4m3fn conversion, and
+transposes with size-2 ``lax.unstack`` / ``lax.stack`` on the last axis.
 """
 from __future__ import annotations
 
@@ -30,24 +31,34 @@ def _iota(shape, dim):
 def hadamard128(x):
     """Unnormalised Walsh-Hadamard transform over the last axis (size 128), f32.
 
-    Same summation tree as the in-place butterfly with strides 1, 2, ..., 64
-    (spec 2.1): each stage pairs the two elements that differ in the current
-    lowest index bit and writes (a + b, a - b) with the new bit on top
-    (constant-geometry form). After 7 stages the result is in natural order. Each
-    output is one fp32 add or subtract of the same operands as the butterfly, so
-    the bits are identical (the 2-element reduction only adds a*1 and b*(+-1)).
+    The spec's in-place butterfly (2.1): the stage with stride s = 1, 2, ..., 64 pairs
+    elements i and i + s (bit s of i clear) and writes a + b at i and a - b at i + s.
+    Each stage views the values as [..., G, 2, s], moves the pair axis last, takes
+    the pair apart (``lax.unstack``: a Triton split) and puts (a + b, a - b) back in
+    place (``lax.stack``: a join), so the bits are the butterfly's: one fp32 add or
+    subtract of the same operands per output.
+
+    -0 inputs become +0 first (an integer select, which no compiler folds away as it
+    may fold ``x + 0.0``): the form used until session 13 summed each pair with an XLA
+    reduction that starts from +0 and so never gave -0, and this keeps its bits for
+    every input. After that no stage can make a -0 (a + b and a - b are -0 only for
+    -0 operands), so XLA and Triton agree on signed zeros too.
+
+    History: until session 13 each stage moved the pairs into a new order
+    (constant geometry: a masked product with +-1 and a 2-element sum); this form is
+    7-8 % faster in the compression kernel and 4 % in the decode update on the H200
+    with the same bits (session 14, benchmarks/probe_compress.py).
     """
     lead = x.shape[:-1]
-    n = len(lead)
-    shape3 = lead + (2, 64, 2)
-    # sign[s, j] = -1 where s == j == 1 else +1  (the 2x2 Hadamard), built from iota
-    s_idx = _iota(shape3, n)
-    j_idx = _iota(shape3, n + 2)
-    sign = jnp.where((s_idx & j_idx) == 1, -1.0, 1.0).astype(jnp.float32)
-    for _ in range(7):
-        pairs = x.reshape(lead + (1, 64, 2))                 # [..., 1, 64, 2]
-        x = jnp.sum(pairs * sign, axis=-1)                   # [..., 2, 64]
-        x = x.reshape(lead + (HEAD_DIM,))
+    u = _u32(x)
+    x = _f32(jnp.where(u == np.uint32(0x80000000), np.uint32(0), u))   # -0 -> +0
+    s = 1
+    while s < HEAD_DIM:
+        v = jnp.swapaxes(x.reshape(lead + (HEAD_DIM // (2 * s), 2, s)), -1, -2)   # [..., G, s, 2]
+        a, b = lax.unstack(v, axis=-1)                                          # [..., G, s] each
+        y = lax.stack([a + b, a - b], axis=-1)                                  # [..., G, s, 2]
+        x = jnp.swapaxes(y, -1, -2).reshape(lead + (HEAD_DIM,))                 # back in place
+        s *= 2
     return x
 
 

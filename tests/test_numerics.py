@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from glm5_jax.testing import session7_exp_f32, session12_recip_f32
+from glm5_jax.testing import session7_exp_f32, session12_recip_f32, session13_hadamard128
 from pallas_kernels import numerics as nm
 
 F32 = np.float32
@@ -93,6 +93,40 @@ def test_hadamard128_equals_numpy_butterfly_bitwise(rng):
     for got in (got_jit, got_eager, got_flat):
         np.testing.assert_array_equal(_bits(got), _bits(want))
     np.testing.assert_array_equal(_bits(got_row), _bits(want[1, 2]))
+
+
+def _signed_zero_rows(rng):
+    """[6, 128] f32 rows that exercise signed zeros: all -0, -0 pairs, -0 against +0,
+    pairs that cancel exactly, and random rows with -0 scattered in."""
+    x = (rng.standard_normal((6, 128)) * np.exp2(rng.uniform(-20, 20, (6, 1)))).astype(F32)
+    x[0] = -0.0
+    x[1, ::2] = -0.0
+    x[1, 1::2] = -0.0 if rng.integers(2) else 0.0
+    x[2, ::2] = -0.0
+    x[2, 1::2] = 0.0
+    x[3, 1::2] = -x[3, ::2]                          # stage 1 differences cancel to exactly 0
+    x[4:, rng.integers(0, 128, 40)] = -0.0
+    return x
+
+
+def test_hadamard128_equals_session13_form_bitwise(rng):
+    """The in-place unstack form (session 14) has the bits of sessions 1-13's
+    constant-geometry form for normal inputs and signed zeros, jitted and eager and at
+    several leading shapes; and of the numpy butterfly once -0 is +0. (Not for
+    subnormals on the CPU: XLA's CPU backend flushes them to zero with their sign, and
+    the two forms' signed zeros then differ; the GPU backends keep them.)"""
+    x = (rng.standard_normal((40, 128)) * np.exp2(rng.uniform(-60, 60, (40, 1)))).astype(F32)
+    x[5] *= np.exp2(rng.uniform(-40, 40, 128)).astype(F32)                 # widely spread exponents
+    x = np.concatenate([x, _signed_zero_rows(rng)])
+    want = np.asarray(jax.jit(session13_hadamard128)(jnp.asarray(x)))
+    for got in (np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x))),
+                np.asarray(nm.hadamard128(jnp.asarray(x))),
+                np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x.reshape(2, 23, 128)))).reshape(x.shape)):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert not np.any((want == 0) & np.signbit(want))                     # no -0 out of either form
+    np.testing.assert_array_equal(_bits(want), _bits(_butterfly_np(np.where(x == 0, F32(0), x))))
+    # the integer select is what keeps -0 out: the plain butterfly of an all -0 row gives a -0
+    assert np.any(np.signbit(_butterfly_np(x[40:41])))            # x[40]: the all -0 row
 
 
 def test_hadamard128_differs_from_dense_matmul_only_in_rounding(rng):

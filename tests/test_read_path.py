@@ -144,7 +144,12 @@ def decode_positions(rng, lengths, next_n, counts=None):
 # query side
 # ---------------------------------------------------------------------------------
 def test_fwht_quant_pallas_bits(rng):
-    q = jnp.asarray(rng.standard_normal((37, 128)) * np.exp(rng.uniform(-8, 8, (37, 1))), jnp.bfloat16)
+    q = rng.standard_normal((37, 128)) * np.exp(rng.uniform(-8, 8, (37, 1)))
+    q[0] = -0.0                                     # signed zeros: XLA and Triton must agree
+    q[1, ::2] = -0.0
+    q[1, 1::2] = 0.0
+    q[2, rng.integers(0, 128, 30)] = -0.0
+    q = jnp.asarray(q, jnp.bfloat16)
     a8, a = ops.fwht_quant(q, implementation="pallas")
     b8, b = ops.fwht_quant(q, implementation="xla")
     np.testing.assert_array_equal(np.asarray(a8).view(np.uint8), np.asarray(b8).view(np.uint8))
