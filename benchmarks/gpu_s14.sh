@@ -5,6 +5,11 @@
 #   PART=ncu     Nsight Compute on the shipped write kernels, one profiling pass per case (compression
 #                at $TOKENS tokens; the decode update at B = 256, next_n 1 and 4): the SASS opcode mix
 #                (benchmarks/_sass_summary.py) and issue / occupancy / stall metrics, as tables under $OUT
+#   PART=shapes  trace_writes.py with launch-shape variants of both write kernels under the new
+#                Hadamard ($DECODE_VARIANTS, $COMPRESS_SHAPES; each byte-checked against the default),
+#                then the notebooks' code cells compiled
+#   PART=writes  the write-kernel, launch-shape and GPU write tests compiled (the new default warps),
+#                then trace_writes.py with the default shapes
 #   PART=suite, PART=x2: as in benchmarks/gpu_s13.sh (the whole suite compiled, trace_writes, notebooks;
 #                the sharding tests on nvidia-h200-x2)
 # Logs under $OUT.   device tool: PART=check bash benchmarks/gpu_s14.sh   (carry .vectors and .whl)
@@ -55,4 +60,20 @@ for r in rows[2:]:
             print(f"  {h:<95}{r[i]:>14} {units[i]}")
 PY
   done
+fi
+if [ "$PART" = shapes ]; then
+  timeout "${TW_S:-300}" python3 benchmarks/trace_writes.py --decode-variants ${DECODE_VARIANTS:-forward:1 forward:2 forward:8} \
+    --compress-shapes ${COMPRESS_SHAPES:-2x4 4x2 4x8 8x4 8x8} --json "$OUT/trace_writes_shapes.json" > "$OUT/trace_writes_shapes.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_writes_shapes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes_shapes.txt" | tail -45
+  timeout "${N_S:-200}" python3 tests/scripts/run_notebook_cells.py > "$OUT/notebooks.txt" 2>&1
+  echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
+fi
+if [ "$PART" = writes ]; then
+  timeout "${T_S:-240}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_write_kernels.py \
+    tests/test_write_launch_shapes.py tests/test_reference.py \
+    tests/test_gpu.py -k "not reads and not read_path and not byte_view and not ordered and not attention" \
+    > "$OUT/pytest_writes.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_writes.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_writes.log" | tail -12
+  timeout "${TW_S:-200}" python3 benchmarks/trace_writes.py --json "$OUT/trace_writes.json" > "$OUT/trace_writes.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -30
 fi

@@ -181,8 +181,8 @@ def main(argv=None):
         if r["impl"] == "pallas" and r["kernels"] > 1:
             parts = ", ".join(f"{name} {us:.2f}" for name, us in zip(r["order"], r["per_kernel_us"]))
             print(f"kernels (us) of {r['kernel']} {r['case']} pallas: {parts}")
-    print("(default shapes: decode_update", f"{decode_kernel.__module__}.default_path / NUM_WARPS; compression",
-          f"{compress_kernel.__module__}.default_tile_pools x NUM_WARPS)")
+    print("(default shapes: decode_update", f"{decode_kernel.__module__}.default_path / default_num_warps; "
+          f"compression {compress_kernel.__module__}.default_tile_pools x default_num_warps)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),

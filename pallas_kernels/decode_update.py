@@ -188,20 +188,31 @@ def _walk_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_r
     lax.fori_loop(0, n, token, 0)
 
 
-NUM_WARPS = 4              # H200: 2x faster than 1 warp at B=256, next_n 1 (tune_writes.py)
+NUM_WARPS_ONE_TOKEN = 4    # next_n 1
+NUM_WARPS_WINDOW = 2       # next_n >= 2 (verify windows)
+
+
+def default_num_warps(n: int) -> int:
+    """Warps per program for n tokens per request. H200, session 14 (device spans, the
+    split / join Hadamard): at next_n 4, 2 warps 2.72 / 2.53 / 2.18 us at B = 256 / 64 / 1
+    against 2.94 / 2.56 / 2.18 with 4; at next_n 1, 2 warps 2.27 / 2.17 / 2.02 against
+    2.27 / 2.11 / 1.95, so one token keeps 4 (1 and 8 warps slower everywhere)."""
+    return NUM_WARPS_WINDOW if n > 1 else NUM_WARPS_ONE_TOKEN
 
 
 @functools.partial(jax.jit, static_argnames=("s", "interpret", "num_warps", "path"))
 def decode_update(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, positions, *,
-                  interpret=None, num_warps: int = NUM_WARPS, path: str | None = None):
+                  interpret=None, num_warps: int | None = None, path: str | None = None):
     """cache: [total_words] u32; key, gate: [B, n, 128] bf16; ape [R, 128] f32;
     slot_mapping, tslot, positions: [B, n] i32. Returns the new cache.
-    num_warps: launch shape (``benchmarks/tune_writes.py``); path: "forward" or "walk"
-    (the module docstring; None: ``default_path(n, kpool)``), the same bytes either way."""
+    num_warps: launch shape (None: ``default_num_warps(n)``; ``benchmarks/trace_writes.py
+    --decode-variants``); path: "forward" or "walk" (the module docstring; None:
+    ``default_path(n, kpool)``), the same bytes either way."""
     b, n = positions.shape
     if b == 0 or n == 0:
         return cache
     path = default_path(n, s.kpool) if path is None else path
+    num_warps = default_num_warps(n) if num_warps is None else num_warps
     if path not in PATHS:
         raise ValueError(f"decode_update: path must be one of {PATHS}, got {path!r}")
     kernel = _forward_kernel if path == "forward" else _walk_kernel
