@@ -189,6 +189,18 @@ def decode(probes, rng, quick, calls=30, batches=(256, 1)):
                 print(f"{name:<24}{f'B={batch} next_n={nn}':>18}{us:>10.2f}{us / empty:>9.2f}  {note}", flush=True)
 
 
+def _profiled_call(lib, step, layout, args):
+    """step(cache, *args) jitted with the cache donated: a warm-up call, then one call
+    between cudaProfilerStart / Stop (libcudart ``lib``; None off the GPU)."""
+    f = jax.jit(step, donate_argnums=0)
+    c = jax.block_until_ready(f(layout.allocate(0), *args))
+    if lib is not None:
+        lib.cudaProfilerStart()
+    jax.block_until_ready(f(c, *args))
+    if lib is not None:
+        lib.cudaProfilerStop()
+
+
 def profile(probes, shapes, layout, s, args):
     """One call per (probe, shape), in order, inside the CUDA profiler's window."""
     from profile_kernels import cudart
@@ -197,15 +209,9 @@ def profile(probes, shapes, layout, s, args):
     for name, patch in probes:
         for tp, nw in shapes:
             with patched(patch):
-                f = jax.jit(lambda c, *x, tp=tp, nw=nw: compress_prefill(c, s, *x, tile_pools=tp, num_warps=nw),
-                            donate_argnums=0)
-                c = jax.block_until_ready(f(layout.allocate(0), *args))
-                if lib is not None:
-                    lib.cudaProfilerStart()
-                c = jax.block_until_ready(f(c, *args))
-                if lib is not None:
-                    lib.cudaProfilerStop()
-            order.append(f"{name} {tp}x{nw}")
+                _profiled_call(lib, lambda c, *x, tp=tp, nw=nw: compress_prefill(c, s, *x, tile_pools=tp,
+                                                                                   num_warps=nw), layout, args)
+            order.append(f"{name} {'d' if tp is None else tp}x{nw}")
     print("profiled, in order:", "; ".join(order))
 
 
@@ -222,13 +228,7 @@ def profile_decode(probes, rng, batches, next_ns):
                 layout, _, args = bw.decode_case(rng, batch, nn)
                 s = layout.strides(0)
                 with patched(patch):
-                    f = jax.jit(lambda c, *x: decode_update(c, s, *x), donate_argnums=0)
-                    c = jax.block_until_ready(f(layout.allocate(0), *args))
-                    if lib is not None:
-                        lib.cudaProfilerStart()
-                    c = jax.block_until_ready(f(c, *args))
-                    if lib is not None:
-                        lib.cudaProfilerStop()
+                    _profiled_call(lib, lambda c, *x: decode_update(c, s, *x), layout, args)
                 order.append(f"{name} B={batch} next_n={nn}")
     print("profiled, in order:", "; ".join(order))
 
