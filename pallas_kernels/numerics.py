@@ -41,8 +41,9 @@ def hadamard128(x):
     -0 inputs become +0 first (an integer select, which no compiler folds away as it
     may fold ``x + 0.0``): the form used until session 13 summed each pair with an XLA
     reduction that starts from +0 and so never gave -0, and this keeps its bits for
-    every input. After that no stage can make a -0 (a + b and a - b are -0 only for
-    -0 operands), so XLA and Triton agree on signed zeros too.
+    every normal input and signed zero (not for subnormals on XLA's CPU backend, which
+    flushes them to zero with their sign). After that no stage can make a -0 (a + b
+    and a - b are -0 only for -0 operands), so XLA and Triton agree on signed zeros.
 
     History: until session 13 each stage moved the pairs into a new order
     (constant geometry: a masked product with +-1 and a 2-element sum); this form is
