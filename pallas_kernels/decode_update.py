@@ -192,12 +192,12 @@ NUM_WARPS_ONE_TOKEN = 4    # next_n 1
 NUM_WARPS_WINDOW = 2       # next_n >= 2 (verify windows)
 
 
-def default_num_warps(n: int) -> int:
-    """Warps per program for n tokens per request. H200, session 14 (device spans, the
+def default_num_warps(tokens_per_request: int) -> int:
+    """Warps per program for the launch's tokens per request (n, next_n). H200, session 14 (device spans, the
     split / join Hadamard): at next_n 4, 2 warps 2.72 / 2.53 / 2.18 us at B = 256 / 64 / 1
     against 2.94 / 2.56 / 2.18 with 4; at next_n 1, 2 warps 2.27 / 2.17 / 2.02 against
     2.27 / 2.11 / 1.95, so one token keeps 4 (1 and 8 warps slower everywhere)."""
-    return NUM_WARPS_WINDOW if n > 1 else NUM_WARPS_ONE_TOKEN
+    return NUM_WARPS_WINDOW if tokens_per_request > 1 else NUM_WARPS_ONE_TOKEN
 
 
 @functools.partial(jax.jit, static_argnames=("s", "interpret", "num_warps", "path"))

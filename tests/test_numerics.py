@@ -115,9 +115,10 @@ def test_hadamard128_equals_session13_form_bitwise(rng):
     several leading shapes; and of the numpy butterfly once -0 is +0. (Not for
     subnormals on the CPU: XLA's CPU backend flushes them to zero with their sign, and
     the two forms' signed zeros then differ; the GPU backends keep them.)"""
-    x = (rng.standard_normal((40, 128)) * np.exp2(rng.uniform(-60, 60, (40, 1)))).astype(F32)
+    n_random_rows = 40
+    x = (rng.standard_normal((n_random_rows, 128)) * np.exp2(rng.uniform(-60, 60, (n_random_rows, 1)))).astype(F32)
     x[5] *= np.exp2(rng.uniform(-40, 40, 128)).astype(F32)                 # widely spread exponents
-    x = np.concatenate([x, _signed_zero_rows(rng)])
+    x = np.concatenate([x, _signed_zero_rows(rng)])                        # its row 0: all -0
     want = np.asarray(jax.jit(session13_hadamard128)(jnp.asarray(x)))
     for got in (np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x))),
                 np.asarray(nm.hadamard128(jnp.asarray(x))),
@@ -126,7 +127,8 @@ def test_hadamard128_equals_session13_form_bitwise(rng):
     assert not np.any((want == 0) & np.signbit(want))                     # no -0 out of either form
     np.testing.assert_array_equal(_bits(want), _bits(_butterfly_np(np.where(x == 0, F32(0), x))))
     # the integer select is what keeps -0 out: the plain butterfly of an all -0 row gives a -0
-    assert np.any(np.signbit(_butterfly_np(x[40:41])))            # x[40]: the all -0 row
+    all_minus_zero = x[n_random_rows:n_random_rows + 1]
+    assert np.any(np.signbit(_butterfly_np(all_minus_zero)))
 
 
 def test_hadamard128_differs_from_dense_matmul_only_in_rounding(rng):

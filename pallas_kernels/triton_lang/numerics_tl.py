@@ -22,10 +22,10 @@ the bits match across backends (see numerics.py and docs/design.md):
 * bf16 rounding and the power-of-two scale are integer bit operations, bf16 -> f32
   is a 16-bit shift of the bits, and the e4m3 code is the fp8 conversion of values
   already clipped to +-448 (round to nearest even, like XLA's);
-* the Hadamard transform pairs (a + b, a - b) per stage in the constant-geometry
-  order of ``numerics.hadamard128``; each output is canonicalised with ``+ 0.0``
-  because XLA's two-element reduction starts from +0 (so an all-zero pair gives
-  +0, never -0, exactly like the reference);
+* the Hadamard transform pairs (a + b, a - b) per stage in constant-geometry order
+  (the same adds as ``numerics.hadamard128``'s in-place stages); each output is
+  canonicalised with ``+ 0.0`` (Triton does not fold it), so no -0 appears, like the
+  reference, which turns -0 inputs into +0 before its first stage;
 * min/max clamps propagate NaN like ``jnp.clip`` / ``jnp.maximum``.
 
 Constants are the float32 values the reference uses (its Python floats rounded
