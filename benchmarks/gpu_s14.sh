@@ -5,6 +5,7 @@
 #   PART=ncu     Nsight Compute on the shipped write kernels, one profiling pass per case (compression
 #                at $TOKENS tokens; the decode update at B = 256, next_n 1 and 4): the SASS opcode mix
 #                (benchmarks/_sass_summary.py) and issue / occupancy / stall metrics, as tables under $OUT
+#                (SAVE_SASS=1: also each case's whole SASS listing with counts, sass_CASE.csv.gz)
 #   PART=shapes  trace_writes.py with launch-shape variants of both write kernels under the new
 #                Hadamard ($DECODE_VARIANTS, $COMPRESS_SHAPES; each byte-checked against the default),
 #                then the notebooks' code cells compiled
@@ -46,6 +47,7 @@ smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp
     echo "rc=$?" >> "$OUT/ncu_$CASE.log"; grep -E "profiled|rc=|ERR" "$OUT/ncu_$CASE.log" | tail -3
     "$NCU" --import "/tmp/ncu_$CASE.ncu-rep" --page source --print-source sass --csv > "/tmp/sass_$CASE.csv" 2>&1
     python3 benchmarks/_sass_summary.py "/tmp/sass_$CASE.csv" > "$OUT/sass_$CASE.txt" 2>&1; head -20 "$OUT/sass_$CASE.txt"
+    [ -n "${SAVE_SASS:-}" ] && gzip -c "/tmp/sass_$CASE.csv" > "$OUT/sass_$CASE.csv.gz"     # the whole listing
     "$NCU" --import "/tmp/ncu_$CASE.ncu-rep" --page raw --csv --metrics "$M" > "$OUT/metrics_$CASE.csv" 2>&1
     python3 - "$OUT/metrics_$CASE.csv" <<'PY'
 import csv, sys

@@ -87,6 +87,28 @@ def unpack_bf16_words_stack(w):
     return jax.lax.bitcast_convert_type(h.astype(jnp.uint16).reshape(lead + (nm.HEAD_DIM,)), jnp.bfloat16)
 
 
+def exp_nonpositive(d, lookup=None):
+    """numerics.exp_f32 for d <= 0 (compress_pool's d = s - max s): the clamp to
+    [-87, 88] as a maximum with -87 only. The same bits for every d <= 0 (and NaN
+    stays NaN); one FMNMX less per exp."""
+    lookup = nm.exp_table_lookup if lookup is None else lookup
+    d = jnp.maximum(d, -87.0)
+    kf = jnp.floor(d * nm.EXP_SCALE)
+    r = ((d - kf * nm.EXP_L1) - kf * nm.EXP_L2) - kf * nm.EXP_L3
+    k = kf.astype(jnp.int32)
+    t = lookup(k & (nm.EXP_TABLE_SIZE - 1))
+    q = r * (1.0 + nm.rounded(r * (0.5 + nm.rounded(r * nm.EXP_C6))))
+    e = t + nm.rounded(t * q)
+    two_n = nm._f32((((k >> nm.EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))
+    return e * two_n
+
+
+def _exp_no_table(d, lookup=None):
+    """exp_nonpositive with T[j] = 1 + j * 2**-7 computed, not looked up (timing probe:
+    what the table's loads and their addresses cost)."""
+    return exp_nonpositive(d, lambda j: 1.0 + j.astype(jnp.float32) * (1.0 / 128))
+
+
 def _plain_mac(c, a, b):
     return c + a * b
 
@@ -119,6 +141,7 @@ PROBES = {
     "hadamard unstack": {"hadamard128": hadamard128_unstack},
     "words by unstack": {"pack_fp8_words": pack_fp8_words_unstack, "pack_bf16_words": pack_bf16_words_unstack,
                          "unpack_bf16_words": unpack_bf16_words_stack},
+    "exp d <= 0": {"exp_f32": exp_nonpositive},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_f32": session12_exp_f32, "mac_bf16": session12_mac_bf16,
@@ -126,6 +149,7 @@ PROBES = {
     "session-7 numerics": {"exp_f32": session7_exp_f32, "mac_bf16": nm.mac, "recip_f32": session12_recip_f32},
     "mac -> c + a*b": {"mac": _plain_mac, "mac_bf16": _plain_mac},
     "exp -> jnp.exp": {"exp_f32": _fast_exp},
+    "exp no table": {"exp_f32": _exp_no_table},
     "recip -> 1/x": {"recip_f32": _fast_recip},
     "hadamard -> identity": {"hadamard128": _no_hadamard},
     "exp+recip cheap": {"exp_f32": _fast_exp, "recip_f32": _fast_recip},
@@ -133,7 +157,8 @@ PROBES = {
                   "mac_bf16": _plain_mac, "hadamard128": _no_hadamard},
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
 }
-SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack")
+SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
+             "exp d <= 0")
 
 
 @contextlib.contextmanager
