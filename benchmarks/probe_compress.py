@@ -5,8 +5,9 @@ keep every bit, timed in one run.
 Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/probe_compress.py [--tokens 32768 131072]
                       [--probes exact,...] [--decode] [--quick]
 
-Each variant patches functions of ``pallas_kernels.numerics`` (the kernel bodies look
-them up at trace time) and clears JAX's caches. Every call is timed as a device span
+Each variant patches functions of ``pallas_kernels.numerics`` (or, named
+``pool_compress.f`` / ``decode_update.f``, helpers of those kernel files; the kernel
+bodies look them up at trace time) and clears JAX's caches. Every call is timed as a device span
 from a profiler trace, queued behind a busy kernel (trace_writes.py's method; off the
 GPU, host wall time), against a 1 GiB copy and an empty kernel traced the same way.
 "exact" is the shipped kernel and the probes in SAME_BITS are candidate forms of it:
@@ -35,8 +36,10 @@ import numpy as np
 
 from glm5_jax import ops
 from glm5_jax.testing import (session7_exp_f32, session12_e4m3_bits, session12_exp_f32, session12_mac_bf16,
-                              session12_recip_f32, session13_hadamard128)
+                              session12_recip_f32, session13_hadamard128, session14_compress_pool)
+from pallas_kernels import decode_update as du
 from pallas_kernels import numerics as nm
+from pallas_kernels import pool_compress as pc
 from pallas_kernels.pool_compress import compress_prefill
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -87,26 +90,22 @@ def unpack_bf16_words_stack(w):
     return jax.lax.bitcast_convert_type(h.astype(jnp.uint16).reshape(lead + (nm.HEAD_DIM,)), jnp.bfloat16)
 
 
-def exp_nonpositive(d, lookup=None):
-    """numerics.exp_f32 for d <= 0 (compress_pool's d = s - max s): the clamp to
-    [-87, 88] as a maximum with -87 only. The same bits for every d <= 0 (and NaN
-    stays NaN); one FMNMX less per exp."""
-    lookup = nm.exp_table_lookup if lookup is None else lookup
-    d = jnp.maximum(d, -87.0)
-    kf = jnp.floor(d * nm.EXP_SCALE)
-    r = ((d - kf * nm.EXP_L1) - kf * nm.EXP_L2) - kf * nm.EXP_L3
-    k = kf.astype(jnp.int32)
-    t = lookup(k & (nm.EXP_TABLE_SIZE - 1))
-    q = r * (1.0 + nm.rounded(r * (0.5 + nm.rounded(r * nm.EXP_C6))))
-    e = t + nm.rounded(t * q)
-    two_n = nm._f32((((k >> nm.EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))
-    return e * two_n
-
-
 def _exp_no_table(d, lookup=None):
-    """exp_nonpositive with T[j] = 1 + j * 2**-7 computed, not looked up (timing probe:
+    """exp_nonpositive_f32 with T[j] = 1 + j * 2**-7 computed, not looked up (timing probe:
     what the table's loads and their addresses cost)."""
-    return exp_nonpositive(d, lambda j: 1.0 + j.astype(jnp.float32) * (1.0 / 128))
+    return nm._exp_clamped(jnp.maximum(d, -87.0), lambda j: 1.0 + j.astype(jnp.float32) * (1.0 / 128))
+
+
+def ape_rows_broadcast(ape_ref, col):
+    """pool_compress._ape_rows as sessions 12-14 had it: [128] rows, broadcast over the
+    tile by the pooling's adds (a shared-memory layout move per row on the H200)."""
+    return [ape_ref[j, :] for j in range(ape_ref.shape[0])]
+
+
+def _unguarded(zero, ring_keys, gate0):
+    """decode_update._keys_before_exps before session 15: no dependency, so the compiler
+    may issue the ring key loads after the exps."""
+    return gate0
 
 
 def _plain_mac(c, a, b):
@@ -141,7 +140,12 @@ PROBES = {
     "hadamard unstack": {"hadamard128": hadamard128_unstack},
     "words by unstack": {"pack_fp8_words": pack_fp8_words_unstack, "pack_bf16_words": pack_bf16_words_unstack,
                          "unpack_bf16_words": unpack_bf16_words_stack},
-    "exp d <= 0": {"exp_f32": exp_nonpositive},
+    # sessions 13-14's forms of what session 15 changed (each the same bytes)
+    "session-14 pooling": {"compress_pool": session14_compress_pool},
+    "ape rows by broadcast": {"pool_compress._ape_rows": ape_rows_broadcast},
+    "ring keys unguarded": {"decode_update._keys_before_exps": _unguarded},
+    "all session-14": {"compress_pool": session14_compress_pool, "pool_compress._ape_rows": ape_rows_broadcast,
+                       "decode_update._keys_before_exps": _unguarded},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_f32": session12_exp_f32, "mac_bf16": session12_mac_bf16,
@@ -149,7 +153,7 @@ PROBES = {
     "session-7 numerics": {"exp_f32": session7_exp_f32, "mac_bf16": nm.mac, "recip_f32": session12_recip_f32},
     "mac -> c + a*b": {"mac": _plain_mac, "mac_bf16": _plain_mac},
     "exp -> jnp.exp": {"exp_f32": _fast_exp},
-    "exp no table": {"exp_f32": _exp_no_table},
+    "exp no table": {"exp_nonpositive_f32": _exp_no_table},
     "recip -> 1/x": {"recip_f32": _fast_recip},
     "hadamard -> identity": {"hadamard128": _no_hadamard},
     "exp+recip cheap": {"exp_f32": _fast_exp, "recip_f32": _fast_recip},
@@ -158,20 +162,29 @@ PROBES = {
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
 }
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
-             "exp d <= 0")
+             "session-14 pooling", "ape rows by broadcast", "ring keys unguarded", "all session-14")
+
+
+_MODULES = {"pool_compress": pc, "decode_update": du}
+
+
+def _target(name):
+    """'fn' -> (numerics, 'fn'); 'pool_compress.fn' / 'decode_update.fn' -> (that module, 'fn')."""
+    mod, _, attr = name.rpartition(".")
+    return (_MODULES[mod] if mod else nm), attr
 
 
 @contextlib.contextmanager
 def patched(names):
-    old = {k: getattr(nm, k) for k in names}
+    old = {k: getattr(*_target(k)) for k in names}
     try:
         for k, v in names.items():
-            setattr(nm, k, v)
+            setattr(*_target(k), v)
         jax.clear_caches()
         yield
     finally:
         for k, v in old.items():
-            setattr(nm, k, v)
+            setattr(*_target(k), v)
         jax.clear_caches()
 
 

@@ -136,6 +136,41 @@ def session13_hadamard128(x):
     return x
 
 
+# Sessions 13-14's forms of the pooling's exp and sum (replaced in session 15 by
+# ``numerics.exp_nonpositive_f32`` and a sum that starts from the first product; the
+# same bytes, tests/test_numerics.py): kept as those tests' second derivation and as
+# the same-run baseline of benchmarks/probe_compress.py ("session-14 pooling").
+def session14_exp_f32(d, lookup=None):
+    """numerics.exp_f32 as sessions 13-14 computed it: both clamps, k by a float-to-int
+    conversion, 2**(k >> 6) from k."""
+    lookup = nm.exp_table_lookup if lookup is None else lookup
+    d = jnp.clip(d, -87.0, 88.0)
+    kf = jnp.floor(d * nm.EXP_SCALE)
+    r = ((d - kf * nm.EXP_L1) - kf * nm.EXP_L2) - kf * nm.EXP_L3
+    k = kf.astype(jnp.int32)
+    t = lookup(k & (nm.EXP_TABLE_SIZE - 1))
+    q = r * (1.0 + nm.rounded(r * (0.5 + nm.rounded(r * nm.EXP_C6))))
+    e = t + nm.rounded(t * q)
+    return e * nm._f32((((k >> nm.EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))
+
+
+def session14_compress_pool(keys, gates, ape_rows, exp_lookup=None):
+    """numerics.compress_pool as sessions 13-14 computed it (session14_exp_f32, and the
+    pooled sum from 0 + k_0 e_0)."""
+    r = len(keys)
+    s = [gates[j].astype(jnp.float32) + ape_rows[j] for j in range(r)]
+    m = s[0]
+    for j in range(1, r):
+        m = jnp.maximum(m, s[j])
+    e = [session14_exp_f32(s[j] - m, exp_lookup) for j in range(r)]
+    den = e[0]
+    acc = nm.mac_bf16(jnp.zeros_like(e[0]), keys[0].astype(jnp.float32), e[0])
+    for j in range(1, r):
+        den = den + e[j]
+        acc = nm.mac_bf16(acc, keys[j].astype(jnp.float32), e[j])
+    return nm.rotate_quant(nm.round_bf16(acc * nm.recip_f32(den)))
+
+
 def random_rows(rng: np.random.Generator, n: int, scale: float = 1.0):
     """[n, 128] bf16 rows with per-row magnitudes spread over several decades."""
     mag = np.exp(rng.uniform(np.log(1e-3), np.log(300.0), size=(n, 1))) * scale

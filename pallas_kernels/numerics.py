@@ -164,6 +164,10 @@ def ape_with_exp_table(ape):
     return jnp.concatenate([ape.astype(jnp.float32).reshape(-1), jnp.asarray(EXP_TABLE)])
 
 
+EXP_MAGIC = 12582912.0                                    # 1.5 * 2**23: kf + this is exact, its bits 0x4B400000 + kf
+EXP_MAGIC_BITS = 0x4B400000
+
+
 def exp_f32(d, lookup=None):
     """e**d for f32 d (clamped to [-87, 88]); about 1 ulp, identical bits on every backend.
 
@@ -178,15 +182,35 @@ def exp_f32(d, lookup=None):
     8 the table with exact 12 x 12-bit partial products (42 % fewer instructions); session
     13 this form (the same table and reduction, max error 1.10 ulp against 1.12).
     """
+    return _exp_clamped(jnp.clip(d, -87.0, 88.0), lookup)
+
+
+def exp_nonpositive_f32(d, lookup=None):
+    """``exp_f32`` for d <= 0 (the pooling's d = s - max s), with its bits: the clamp
+    is the lower bound alone (d > 88 cannot occur). NaN stays NaN as in ``exp_f32``."""
+    return _exp_clamped(jnp.maximum(d, -87.0), lookup)
+
+
+def _exp_clamped(d, lookup=None):
+    """``exp_f32`` of d already in [-87, 88].
+
+    k is read from the bits of kf + 1.5 * 2**23 (exact: |kf| <= 8125 < 2**22, and no
+    product feeds the add), 0x4B400000 + k, instead of a float-to-int conversion: the
+    conversion clamps to the int32 range first (two more instructions on the H200) and
+    runs on the slow conversion pipe. T's index is those bits & 63 (0x4B400000 is a
+    multiple of 64) and 2**(k >> 6) comes from their top bits. Same bits as sessions
+    13-14's ``kf.astype(int32)`` form (``glm5_jax.testing.session14_exp_f32``, test_numerics).
+    """
     lookup = exp_table_lookup if lookup is None else lookup
-    d = jnp.clip(d, -87.0, 88.0)
     kf = jnp.floor(d * EXP_SCALE)                          # |k| <= 8125
     r = ((d - kf * EXP_L1) - kf * EXP_L2) - kf * EXP_L3    # [-tiny, ln2/64): exact products
-    k = kf.astype(jnp.int32)
-    t = lookup(k & (EXP_TABLE_SIZE - 1))                   # T[j] in [1, 2)
+    kb = _u32(kf + EXP_MAGIC)                              # 0x4B400000 + k
+    t = lookup((kb & np.uint32(EXP_TABLE_SIZE - 1)).astype(jnp.int32))   # T[k & 63] in [1, 2)
     q = r * (1.0 + rounded(r * (0.5 + rounded(r * EXP_C6))))   # e**r - 1
     e = t + rounded(t * q)                                 # T (1 + q)
-    two_n = _f32((((k >> EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))
+    # 2**(k >> 6): (k >> 6) + 127 = (kb >> 6) - (0x4B400000 >> 6) + 127, mod 2**9 after the shift
+    two_n = _f32(((kb >> EXP_TABLE_BITS) + np.uint32((127 - (EXP_MAGIC_BITS >> EXP_TABLE_BITS)) & 0xFFFFFFFF))
+                 << np.uint32(23))
     return e * two_n
 
 
@@ -265,15 +289,20 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None):
     their table input; default: an XLA gather of the constant).
     Two-pass softmax with explicit left-to-right sums, so every backend adds in the
     same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
+
+    Until session 14 the pooled sum started from 0 + k_0 e_0. Without the add it can
+    end at -0 where it ended at +0 (all products +-0, the first -0), and nothing
+    else changes: x = -0 and +0 give the same bytes, as ``hadamard128`` maps -0 to +0
+    first (test_numerics checks the pools of such rows against the old form).
     """
     r = len(keys)
     s = [gates[j].astype(jnp.float32) + ape_rows[j] for j in range(r)]
     m = s[0]
     for j in range(1, r):
         m = jnp.maximum(m, s[j])
-    e = [exp_f32(s[j] - m, exp_lookup) for j in range(r)]
+    e = [exp_nonpositive_f32(s[j] - m, exp_lookup) for j in range(r)]
     den = e[0]
-    acc = mac_bf16(jnp.zeros_like(e[0]), keys[0].astype(jnp.float32), e[0])
+    acc = rounded(keys[0].astype(jnp.float32) * e[0])      # (0 + that until session 14: see below)
     for j in range(1, r):
         den = den + e[j]
         acc = mac_bf16(acc, keys[j].astype(jnp.float32), e[j])

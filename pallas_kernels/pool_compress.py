@@ -53,6 +53,17 @@ def default_num_warps(tile_pools: int) -> int:
     return NUM_WARPS_MAX_TILE if tile_pools >= TILE_POOLS_MAX else NUM_WARPS
 
 
+def _ape_rows(ape_ref, col):
+    """The R ape rows, each gathered as [TILE, 128] f32 (row j for every pool of the tile).
+
+    Loaded as [128] rows and broadcast over the tile (until session 14), they came in
+    one layout and were moved into the pools' through shared memory, two barriers per
+    row (session 15, Nsight Compute's SASS); gathered at the pools' [TILE, 128] indices
+    they load in that layout. The TILE-fold repeated loads hit L1.
+    """
+    return [B.gather(ape_ref, jnp.full_like(col, j), col) for j in range(ape_ref.shape[0])]
+
+
 def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
             s: CacheStrides, t_total: int, tile_pools: int):
     # slot_ref: [T] i32; key_ref, gate_ref: [T, 128] bf16; ape_ref: [R, 128] f32;
@@ -74,12 +85,12 @@ def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref,
     row = jnp.maximum(row, r - 1)
     col = lax.broadcasted_iota(jnp.int32, (tile_pools, nm.HEAD_DIM), 1)              # [TILE, 128]
     m2 = valid[:, None] & (col >= 0)
-    keys, gates, apes = [], [], []
+    keys, gates = [], []
     for j in range(r):
         member = (row - (r - 1) + j)[:, None] + 0 * col                               # [TILE, 128]
         keys.append(B.gather(key_ref, member, col, mask=m2))                          # [TILE, 128] bf16
         gates.append(B.gather(gate_ref, member, col, mask=m2))
-        apes.append(ape_ref[j, :])                                                    # [128] f32
+    apes = _ape_rows(ape_ref, col)                                                    # R x [TILE, 128] f32
     q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))          # [TILE,128], [TILE]
     w = lax.broadcasted_iota(jnp.int32, (tile_pools, addr.KEY_WORDS), 1)            # [TILE, 32]
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc)[:, None] + w)

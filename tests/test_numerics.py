@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from glm5_jax.testing import session7_exp_f32, session12_recip_f32, session13_hadamard128
+from glm5_jax.testing import (session7_exp_f32, session12_recip_f32, session13_hadamard128, session14_compress_pool,
+                              session14_exp_f32)
 from pallas_kernels import numerics as nm
 
 F32 = np.float32
@@ -403,6 +404,61 @@ def test_exp_model_fused_differs_so_the_rounding_matters(rng):
     sep = _mul_add(-kf, np.full_like(kf, part), d, False)
     fus = _mul_add(-kf, np.full_like(kf, part), d, True)
     assert np.any(_bits(sep) != _bits(fus))
+
+
+def test_exp_forms_of_session15_keep_session14_bits(rng):
+    """exp_f32 (k from the bits of kf + 1.5 * 2**23) and exp_nonpositive_f32 (one-sided
+    clamp) have sessions 13-14's bits: exp_f32 over [-100, 100] (both clamps reached),
+    exp_nonpositive_f32 for every d <= 0, jitted and eager, with the XLA gather and with
+    a kernel-style table lookup."""
+    d_all = np.concatenate([rng.uniform(-100, 100, 100000), _exp_inputs(rng),
+                            [88.0, 88.5, 1e30, -1e30, -87.0, -87.000001, -86.99999]]).astype(F32)
+    d_neg = np.concatenate([rng.uniform(-100, 0, 100000), -np.exp2(rng.uniform(-149, 8, 50000)),
+                            np.arange(-8200, 1) / F32(nm.EXP_SCALE),          # near every k boundary
+                            [0.0, -0.0, -87.0, -1e30, -2.0**-149]]).astype(F32)
+    d_neg = np.minimum(d_neg, F32(0.0))
+    tab = jnp.asarray(nm.exp_table_input())
+    kernel_lookup = lambda j: tab[jnp.zeros_like(j), j]                           # noqa: E731
+    want_all = np.asarray(jax.jit(session14_exp_f32)(jnp.asarray(d_all)))
+    want_neg = np.asarray(jax.jit(session14_exp_f32)(jnp.asarray(d_neg)))
+    for name, got, want in (
+            ("exp_f32 jit", jax.jit(nm.exp_f32)(jnp.asarray(d_all)), want_all),
+            ("exp_f32 eager", nm.exp_f32(jnp.asarray(d_all)), want_all),
+            ("exp_f32 table", jax.jit(lambda x: nm.exp_f32(x, kernel_lookup))(jnp.asarray(d_all)), want_all),
+            ("nonpositive jit", jax.jit(nm.exp_nonpositive_f32)(jnp.asarray(d_neg)), want_neg),
+            ("nonpositive eager", nm.exp_nonpositive_f32(jnp.asarray(d_neg)), want_neg),
+            ("nonpositive table", jax.jit(lambda x: nm.exp_nonpositive_f32(x, kernel_lookup))(jnp.asarray(d_neg)),
+             want_neg)):
+        np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(want), err_msg=name)
+    # the one-sided clamp is exp_f32 only where d <= 0: at d > 88 they part
+    big = jnp.asarray(np.array([100.0], F32))
+    assert _bits(np.asarray(nm.exp_nonpositive_f32(big))) != _bits(np.asarray(nm.exp_f32(big)))
+
+
+def test_compress_pool_keeps_session14_bytes_with_signed_zero_keys(rng):
+    """compress_pool's sum starts from k_0 e_0 (no 0 +) since session 15: the same fp8
+    bytes and scales as sessions 13-14's form, for random pools and for pools whose keys
+    are all +-0 (where the new sum ends at -0 and the old one at +0)."""
+    import ml_dtypes
+    n, r = 512, 4
+    k = (rng.standard_normal((n, r, 128)) * np.exp2(rng.uniform(-8, 8, (n, 1, 1)))).astype(ml_dtypes.bfloat16)
+    g = (rng.standard_normal((n, r, 128)) * 3).astype(ml_dtypes.bfloat16)
+    k[:8] = -0.0                                                    # every product -0
+    k[8:16] = rng.choice(np.array([0.0, -0.0], ml_dtypes.bfloat16), (8, r, 128))
+    k[16:24, 0] = -0.0                                              # the first product -0, then real ones
+    ape = rng.standard_normal((r, 128)).astype(F32)
+
+    def both(k, g, ape):
+        args = ([k[:, j] for j in range(r)], [g[:, j] for j in range(r)], [ape[j] for j in range(r)])
+        return nm.compress_pool(*args), session14_compress_pool(*args)
+    (q_new, s_new), (q_old, s_old) = jax.jit(both)(jnp.asarray(k), jnp.asarray(g), jnp.asarray(ape))
+    np.testing.assert_array_equal(np.asarray(q_new).view(np.uint8), np.asarray(q_old).view(np.uint8))
+    np.testing.assert_array_equal(_bits(s_new), _bits(s_old))
+    # sharp: the two sums do differ in sign for the all -0 pools
+    e = jnp.ones((128,), jnp.float32)
+    kz = jnp.asarray(k[0, 0]).astype(jnp.float32)
+    assert np.all(np.signbit(np.asarray(nm.rounded(kz * e))))
+    assert not np.any(np.signbit(np.asarray(nm.mac_bf16(jnp.zeros_like(e), kz, e))))
 
 
 def test_rounded_keeps_every_value_and_stays_in_the_program(rng):
