@@ -9,7 +9,10 @@
 #   PART=check   session 15's same-bytes changes compiled: the numerics, write-kernel, launch-shape,
 #                reference, Triton-port and GPU write tests; then probe_compress.py A/B of each change
 #                against its session-14 form at the shipped launch shapes ($PROBES, $REPEAT times)
-#   PART=table   trace_writes.py at the default shapes (the benchmarks.md table)
+#   PART=decode  probe_compress.py --decode: the exp table computed (no load) against the gather ($PROBES),
+#                then PART=table
+#   PART=table   trace_writes.py at the default shapes (the benchmarks.md table; $DECODE_VARIANTS: also
+#                decode launch variants, e.g. "forward:1 forward:2 forward:4", byte-checked)
 # Logs under $OUT.   device tool: PART=probe bash benchmarks/gpu_s15.sh   (carry .vectors and .whl)
 PART=${PART:-check}
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -32,7 +35,7 @@ if [ "$PART" = check ]; then
     tests/test_gpu.py -k "not reads and not read_path and not byte_view and not ordered and not attention" \
     > "$OUT/pytest_check.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_check.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_check.log" | tail -12
-  P=${PROBES:-exact,session-14 pooling,ape rows by broadcast,ring keys unguarded,all session-14}
+  P=${PROBES:-exact,session-14 pooling,ape rows by gather,ring keys unguarded,all session-14}
   timeout "${PC_S:-150}" python3 benchmarks/probe_compress.py --shapes dx2 --probes "$P" --repeat "${REPEAT:-2}" \
     > "$OUT/probe_compress.txt" 2>&1
   echo "rc=$?" >> "$OUT/probe_compress.txt"; grep -v "^W\|^I0" "$OUT/probe_compress.txt" | tail -24
@@ -40,8 +43,17 @@ if [ "$PART" = check ]; then
     > "$OUT/probe_decode.txt" 2>&1
   echo "rc=$?" >> "$OUT/probe_decode.txt"; grep -v "^W\|^I0" "$OUT/probe_decode.txt" | tail -42
 fi
+if [ "$PART" = decode ]; then
+  source "$HERE/_gpu_env.sh"
+  timeout "${PD_S:-150}" python3 benchmarks/probe_compress.py --decode --probes "${PROBES:-exact,exp table computed,exp no table}" \
+    --repeat "${REPEAT:-2}" > "$OUT/probe_decode.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_decode.txt"; grep -v "^W\|^I0" "$OUT/probe_decode.txt" | tail -26
+  PART=table
+fi
 if [ "$PART" = table ]; then
   source "$HERE/_gpu_env.sh"
-  timeout "${TW_S:-250}" python3 benchmarks/trace_writes.py --json "$OUT/trace_writes.json" > "$OUT/trace_writes.txt" 2>&1
+  DV=${DECODE_VARIANTS:-}
+  timeout "${TW_S:-250}" python3 benchmarks/trace_writes.py ${DV:+--decode-variants $DV} --json "$OUT/trace_writes.json" \
+    > "$OUT/trace_writes.txt" 2>&1
   echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -30
 fi

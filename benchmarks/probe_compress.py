@@ -96,10 +96,10 @@ def _exp_no_table(d, lookup=None):
     return nm._exp_clamped(jnp.maximum(d, -87.0), lambda j: 1.0 + j.astype(jnp.float32) * (1.0 / 128))
 
 
-def ape_rows_broadcast(ape_ref, col):
-    """pool_compress._ape_rows as sessions 12-14 had it: [128] rows, broadcast over the
-    tile by the pooling's adds (a shared-memory layout move per row on the H200)."""
-    return [ape_ref[j, :] for j in range(ape_ref.shape[0])]
+def ape_rows_gather(ape_ref, col):
+    """pool_compress._ape_rows gathered at the pools' [TILE, 128] indices (no shared-memory
+    layout move). Tried in session 15 (run 3): 2-5 % slower, not kept."""
+    return [pc.B.gather(ape_ref, jnp.full_like(col, j), col) for j in range(ape_ref.shape[0])]
 
 
 def _unguarded(zero, ring_keys, gate0):
@@ -142,10 +142,10 @@ PROBES = {
                          "unpack_bf16_words": unpack_bf16_words_stack},
     # sessions 13-14's forms of what session 15 changed (each the same bytes)
     "session-14 pooling": {"compress_pool": session14_compress_pool},
-    "ape rows by broadcast": {"pool_compress._ape_rows": ape_rows_broadcast},
+    "ape rows by gather": {"pool_compress._ape_rows": ape_rows_gather},
     "ring keys unguarded": {"decode_update._keys_before_exps": _unguarded},
-    "all session-14": {"compress_pool": session14_compress_pool, "pool_compress._ape_rows": ape_rows_broadcast,
-                       "decode_update._keys_before_exps": _unguarded},
+    "exp table computed": {"decode_update._exp_lookup": lambda tab_ref: nm.exp_table_compute},
+    "all session-14": {"compress_pool": session14_compress_pool, "decode_update._keys_before_exps": _unguarded},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_f32": session12_exp_f32, "mac_bf16": session12_mac_bf16,
@@ -162,7 +162,8 @@ PROBES = {
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
 }
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
-             "session-14 pooling", "ape rows by broadcast", "ring keys unguarded", "all session-14")
+             "session-14 pooling", "ape rows by gather", "ring keys unguarded", "all session-14",
+             "exp table computed")
 
 
 _MODULES = {"pool_compress": pc, "decode_update": du}

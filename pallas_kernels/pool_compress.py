@@ -54,14 +54,16 @@ def default_num_warps(tile_pools: int) -> int:
 
 
 def _ape_rows(ape_ref, col):
-    """The R ape rows, each gathered as [TILE, 128] f32 (row j for every pool of the tile).
+    """The R ape rows, [128] f32 each, broadcast over the tile by the pooling's adds.
 
-    Loaded as [128] rows and broadcast over the tile (until session 14), they came in
-    one layout and were moved into the pools' through shared memory, two barriers per
-    row (session 15, Nsight Compute's SASS); gathered at the pools' [TILE, 128] indices
-    they load in that layout. The TILE-fold repeated loads hit L1.
+    The H200's compiler moves each row into the pools' layout through shared memory (two
+    barriers per row, session 15's SASS); gathering the rows at the pools' [TILE, 128]
+    indices instead loads them in that layout, yet measured 2-5 % slower (session 15,
+    run 3: 13.73-13.84 / 45.82-45.92 us at 32k / 128k tokens against 13.15-13.18 /
+    44.99-45.10; ``benchmarks/probe_compress.py`` "ape rows by gather"), so they stay rows.
+    ``col`` [TILE, 128]: the pools' column indices (the gather form's).
     """
-    return [B.gather(ape_ref, jnp.full_like(col, j), col) for j in range(ape_ref.shape[0])]
+    return [ape_ref[j, :] for j in range(ape_ref.shape[0])]
 
 
 def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
@@ -90,7 +92,7 @@ def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref,
         member = (row - (r - 1) + j)[:, None] + 0 * col                               # [TILE, 128]
         keys.append(B.gather(key_ref, member, col, mask=m2))                          # [TILE, 128] bf16
         gates.append(B.gather(gate_ref, member, col, mask=m2))
-    apes = _ape_rows(ape_ref, col)                                                    # R x [TILE, 128] f32
+    apes = _ape_rows(ape_ref, col)                                                    # R x [128] f32
     q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))          # [TILE,128], [TILE]
     w = lax.broadcasted_iota(jnp.int32, (tile_pools, addr.KEY_WORDS), 1)            # [TILE, 32]
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc)[:, None] + w)
