@@ -13,6 +13,8 @@
 #                then PART=table
 #   PART=table   trace_writes.py at the default shapes (the benchmarks.md table; $DECODE_VARIANTS: also
 #                decode launch variants, e.g. "forward:1 forward:2 forward:4", byte-checked)
+#   PART=final   the decode probe A/B of the one-token stash order ($PROBES), then the whole suite
+#                compiled (gpu_s13.sh's list), trace_writes.py at the default shapes, the notebooks' cells
 # Logs under $OUT.   device tool: PART=probe bash benchmarks/gpu_s15.sh   (carry .vectors and .whl)
 PART=${PART:-check}
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -56,4 +58,18 @@ if [ "$PART" = table ]; then
   timeout "${TW_S:-250}" python3 benchmarks/trace_writes.py ${DV:+--decode-variants $DV} --json "$OUT/trace_writes.json" \
     > "$OUT/trace_writes.txt" 2>&1
   echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -30
+fi
+if [ "$PART" = final ]; then
+  source "$HERE/_gpu_env.sh"
+  timeout "${PD_S:-90}" python3 benchmarks/probe_compress.py --decode --probes "${PROBES:-exact,stash last}" \
+    --repeat "${REPEAT:-2}" > "$OUT/probe_decode.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_decode.txt"; grep -v "^W\|^I0" "$OUT/probe_decode.txt" | tail -18
+  timeout "${T_S:-260}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE tests \
+    --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py \
+    --deselect tests/test_triton.py::test_triton_large_cache > "$OUT/pytest_all.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_all.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_all.log" | tail -12
+  timeout "${TW_S:-130}" python3 benchmarks/trace_writes.py --json "$OUT/trace_writes.json" > "$OUT/trace_writes.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -22
+  timeout "${N_S:-50}" python3 tests/scripts/run_notebook_cells.py > "$OUT/notebooks.txt" 2>&1
+  echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
 fi

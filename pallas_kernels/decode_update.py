@@ -15,7 +15,8 @@ tokens; padding tokens (pos < 0) do nothing, so fewer or uneven tokens per
 request use the same compiled kernel. Two programs give those bytes:
 
 "forward" (verify windows with n * (kpool - 1) <= FORWARD_MAX_PAIRS, e.g. up to
-10 tokens at kpool 4): no memory round trip per token.
+10 tokens at kpool 4): no memory round trip per token. (With one token, step 3 comes
+first: see ``_stash_first``.)
   1. Load every token's metadata and key / gate row at once.
   2. Walk the tokens in order and complete pools. A member's ring row is the one
      the walk would find there: the row of the newest EARLIER token of this launch
@@ -171,15 +172,30 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
 
         return carry
 
-    lax.fori_loop(0, n, token, 0)
+    # 3. every stash, after every ring read of the program (or, one token, before them)
+    def stash_all():
+        for t in range(n):
+            write = stashes[t]
+            for u in range(t + 1, n):           # unless a later token of the launch stashes into the same row
+                write = write & ~(stashes[u] & (blk[u] == blk[t]) & (ring_slot[u] == ring_slot[t]))
+            _stash(cache_ref, s, blk[t], ring_slot[t], keys_in[t], gates_in[t], write)
 
-    # 3. every stash, after every ring read of the program
-    B.barrier(interpret)
-    for t in range(n):
-        write = stashes[t]
-        for u in range(t + 1, n):               # unless a later token of the launch stashes into the same row
-            write = write & ~(stashes[u] & (blk[u] == blk[t]) & (ring_slot[u] == ring_slot[t]))
-        _stash(cache_ref, s, blk[t], ring_slot[t], keys_in[t], gates_in[t], write)
+    if _stash_first(n):
+        stash_all()
+        lax.fori_loop(0, n, token, 0)
+    else:
+        lax.fori_loop(0, n, token, 0)
+        B.barrier(interpret)
+        stash_all()
+
+
+def _stash_first(n: int) -> bool:
+    """Whether the forward program may stash before its completions: for one token. Its
+    completion reads ring slots (pos - j) % ring, 1 <= j < kpool <= ring, and its stash
+    writes pos % ring: never one of them, so no barrier orders the two and the stash's
+    stores leave while the completion waits on its ring loads. With more tokens a later
+    token may stash into a row an earlier completion reads from the ring."""
+    return n == 1
 
 
 def _walk_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,

@@ -153,40 +153,6 @@ def exp_table_lookup(j):
     return jnp.take(jnp.asarray(EXP_TABLE), j, mode="clip")
 
 
-# T[j] = EXP_TABLE[j] without a memory load: 2**(j/64) = 2**((j >> 3)/8) * 2**((j & 7)/64).
-# The f32 product of the two rounded factors is within 1 ulp of T[j]; the 64 +-1 fixes
-# are two 64-bit masks. Every step is exact or one IEEE multiply, so any backend gives
-# T's bits (test_numerics checks all 64).
-_EXP_T8 = np.exp2(np.arange(8) / 8).astype(np.float32)           # 2**(a/8)
-_EXP_T64 = np.exp2(np.arange(8) / 64).astype(np.float32)          # 2**(b/64)
-_EXP_FIX = (EXP_TABLE.view(np.int32).astype(np.int64)
-            - (_EXP_T8[np.arange(64) >> 3] * _EXP_T64[np.arange(64) & 7]).astype(np.float32).view(np.int32))
-assert set(_EXP_FIX.tolist()) <= {-1, 0, 1}
-_EXP_FIX_UP = sum(1 << j for j in range(64) if _EXP_FIX[j] == 1)          # bit j: add 1 to T[j]'s bits
-_EXP_FIX_DOWN = sum(1 << j for j in range(64) if _EXP_FIX[j] == -1)       # bit j: subtract 1
-
-
-def _pick8(i, values):
-    """values[i] for int32 i in [0, 8) and 8 Python floats: a 3-level select tree."""
-    level = [float(v) for v in values]
-    for bit in (1, 2, 4):
-        on = (i & bit) != 0
-        level = [jnp.where(on, level[2 * h + 1], level[2 * h]) for h in range(len(level) // 2)]
-    return level[0].astype(jnp.float32)
-
-
-def exp_table_compute(j):
-    """EXP_TABLE[j] for int32 j in [0, 64), computed (two 8-way selects, a multiply, a
-    +-1 fix from two 64-bit masks): T's bits with no memory load, for kernels where
-    the lookup's load sits in a latency-bound chain (the decode update)."""
-    p = _u32(_pick8(j >> 3, _EXP_T8) * _pick8(j & 7, _EXP_T64))
-    high = j >= 32
-    sh = (j & 31).astype(jnp.uint32)
-    up = jnp.where(high, np.uint32(_EXP_FIX_UP >> 32), np.uint32(_EXP_FIX_UP & 0xFFFFFFFF))
-    down = jnp.where(high, np.uint32(_EXP_FIX_DOWN >> 32), np.uint32(_EXP_FIX_DOWN & 0xFFFFFFFF))
-    return _f32(p + ((up >> sh) & np.uint32(1)) - ((down >> sh) & np.uint32(1)))
-
-
 def exp_table_input():
     """EXP_TABLE as the [1, 64] f32 kernel input that ``_backend.table_lookup`` reads."""
     return jnp.asarray(EXP_TABLE).reshape(1, EXP_TABLE_SIZE)
