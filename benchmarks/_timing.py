@@ -94,6 +94,19 @@ def empty_launch_step(s):
                          input_output_aliases={0: 0}, interpret=None, name="empty", num_warps=1)(s)
 
 
+def empty_grid_step(programs: int, num_warps: int):
+    """s -> s through an empty Pallas kernel of `programs` programs of `num_warps` warps:
+    the launch floor of a kernel with that grid (the decode update's: one program per
+    request)."""
+    from pallas_kernels import _backend as B
+
+    def step(s):
+        return B.pallas_call(_empty_kernel, grid=(programs,), out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),
+                             input_output_aliases={0: 0}, interpret=None, name="empty_grid",
+                             num_warps=num_warps)(s)
+    return step
+
+
 def empty_launch_seconds():
     """Seconds per call of an empty Pallas kernel (one program) chained in one jit."""
     t, _ = time_chain(empty_launch_step, jnp.zeros((1024,), jnp.uint32), reps=100)

@@ -15,6 +15,8 @@
 #                decode launch variants, e.g. "forward:1 forward:2 forward:4", byte-checked)
 #   PART=final   the decode probe A/B of the one-token stash order ($PROBES), then the whole suite
 #                compiled (gpu_s13.sh's list), trace_writes.py at the default shapes, the notebooks' cells
+#   PART=floor   the decode probe with empty kernels of the decode grids (B programs x 2 / 4 warps) and
+#                "no pool arithmetic", then the notebooks' cells ($NOTEBOOKS, default all)
 # Logs under $OUT.   device tool: PART=probe bash benchmarks/gpu_s15.sh   (carry .vectors and .whl)
 PART=${PART:-check}
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -71,5 +73,13 @@ if [ "$PART" = final ]; then
   timeout "${TW_S:-130}" python3 benchmarks/trace_writes.py --json "$OUT/trace_writes.json" > "$OUT/trace_writes.txt" 2>&1
   echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -22
   timeout "${N_S:-50}" python3 tests/scripts/run_notebook_cells.py > "$OUT/notebooks.txt" 2>&1
+  echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
+fi
+if [ "$PART" = floor ]; then
+  source "$HERE/_gpu_env.sh"
+  timeout "${PD_S:-80}" python3 benchmarks/probe_compress.py --decode --probes "${PROBES:-exact,no pool arithmetic}" \
+    > "$OUT/probe_decode.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_decode.txt"; grep -v "^W\|^I0" "$OUT/probe_decode.txt" | tail -16
+  timeout "${N_S:-90}" python3 tests/scripts/run_notebook_cells.py ${NOTEBOOKS:-} > "$OUT/notebooks.txt" 2>&1
   echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
 fi

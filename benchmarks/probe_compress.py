@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_writes as bw  # noqa: E402
 import trace_read as tr  # noqa: E402
 import trace_writes as tw  # noqa: E402
-from _timing import empty_launch_step  # noqa: E402
+from _timing import empty_grid_step, empty_launch_step  # noqa: E402
 
 
 def hadamard128_unstack(x):
@@ -252,6 +252,10 @@ def decode(probes, rng, quick, calls=30, batches=(256, 1)):
           f"empty Pallas kernel {empty:.2f} us (device span)")
     print(f"{'probe':<24}{'case':>18}{'span us':>10}{'x empty':>9}  note")
     for batch in ((4,) if quick else batches):
+        for warps in (2, 4):
+            us = span_us(empty_grid_step(batch, warps), jnp.zeros((1024,), jnp.uint32))
+            print(f"{'empty kernel':<24}{f'{batch} programs x {warps} warps':>18}{us:>10.2f}{us / empty:>9.2f}  "
+                  "launch floor of this grid", flush=True)
         for nn in (1, 4):
             layout, _, args = bw.decode_case(rng, batch, nn)
             s = layout.strides(0)
