@@ -8,9 +8,10 @@
 #                14 files and the device tool returns 8: for the listings use CASES="decode1 compress")
 #   PART=check   session 15's same-bytes changes compiled: the numerics, write-kernel, launch-shape,
 #                reference, Triton-port and GPU write tests; then probe_compress.py A/B of each change
-#                against its session-14 form at the shipped launch shapes ($PROBES, $REPEAT times)
-#   PART=decode  probe_compress.py --decode: the exp table computed (no load) against the gather ($PROBES),
-#                then PART=table
+#                against its session-14 form at the shipped launch shapes ($PROBES, $REPEAT times; run 3
+#                also had "ape rows by gather", dropped with that form after it)
+#   PART=decode  probe_compress.py --decode ($PROBES; run 4 had "exp table computed", dropped with that
+#                form after it), then PART=table
 #   PART=table   trace_writes.py at the default shapes (the benchmarks.md table; $DECODE_VARIANTS: also
 #                decode launch variants, e.g. "forward:1 forward:2 forward:4", byte-checked)
 #   PART=final   the decode probe A/B of the one-token stash order ($PROBES), then the whole suite
@@ -39,7 +40,7 @@ if [ "$PART" = check ]; then
     tests/test_gpu.py -k "not reads and not read_path and not byte_view and not ordered and not attention" \
     > "$OUT/pytest_check.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_check.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_check.log" | tail -12
-  P=${PROBES:-exact,session-14 pooling,ape rows by gather,ring keys unguarded,all session-14}
+  P=${PROBES:-exact,session-14 pooling,ring keys unguarded,all session-14}
   timeout "${PC_S:-150}" python3 benchmarks/probe_compress.py --shapes dx2 --probes "$P" --repeat "${REPEAT:-2}" \
     > "$OUT/probe_compress.txt" 2>&1
   echo "rc=$?" >> "$OUT/probe_compress.txt"; grep -v "^W\|^I0" "$OUT/probe_compress.txt" | tail -24
@@ -49,7 +50,7 @@ if [ "$PART" = check ]; then
 fi
 if [ "$PART" = decode ]; then
   source "$HERE/_gpu_env.sh"
-  timeout "${PD_S:-150}" python3 benchmarks/probe_compress.py --decode --probes "${PROBES:-exact,exp table computed,exp no table}" \
+  timeout "${PD_S:-150}" python3 benchmarks/probe_compress.py --decode --probes "${PROBES:-exact,exp no table}" \
     --repeat "${REPEAT:-2}" > "$OUT/probe_decode.txt" 2>&1
   echo "rc=$?" >> "$OUT/probe_decode.txt"; grep -v "^W\|^I0" "$OUT/probe_decode.txt" | tail -26
   PART=table

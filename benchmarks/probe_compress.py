@@ -90,51 +90,10 @@ def unpack_bf16_words_stack(w):
     return jax.lax.bitcast_convert_type(h.astype(jnp.uint16).reshape(lead + (nm.HEAD_DIM,)), jnp.bfloat16)
 
 
-# T[j] = EXP_TABLE[j] without a memory load: 2**(j/64) = 2**((j >> 3)/8) * 2**((j & 7)/64).
-# The f32 product of the two rounded factors is within 1 ulp of T[j]; the 64 +-1 fixes
-# are two 64-bit masks. Every step is exact or one IEEE multiply, so any backend gives
-# T's bits (test_numerics checks all 64).
-_EXP_T8 = np.exp2(np.arange(8) / 8).astype(np.float32)           # 2**(a/8)
-_EXP_T64 = np.exp2(np.arange(8) / 64).astype(np.float32)          # 2**(b/64)
-_EXP_FIX = (nm.EXP_TABLE.view(np.int32).astype(np.int64)
-            - (_EXP_T8[np.arange(64) >> 3] * _EXP_T64[np.arange(64) & 7]).astype(np.float32).view(np.int32))
-assert set(_EXP_FIX.tolist()) <= {-1, 0, 1}
-_EXP_FIX_UP = sum(1 << j for j in range(64) if _EXP_FIX[j] == 1)          # bit j: add 1 to T[j]'s bits
-_EXP_FIX_DOWN = sum(1 << j for j in range(64) if _EXP_FIX[j] == -1)       # bit j: subtract 1
-
-
-def _pick8(i, values):
-    """values[i] for int32 i in [0, 8) and 8 Python floats: a 3-level select tree."""
-    level = [float(v) for v in values]
-    for bit in (1, 2, 4):
-        on = (i & bit) != 0
-        level = [jnp.where(on, level[2 * h + 1], level[2 * h]) for h in range(len(level) // 2)]
-    return level[0].astype(jnp.float32)
-
-
-def exp_table_compute(j):
-    """EXP_TABLE[j] for int32 j in [0, 64), computed (two 8-way selects, a multiply, a
-    +-1 fix from two 64-bit masks): T's bits with no memory load. Tried in session 15
-    (run 4) as the decode update's lookup: level at next_n 1, 0.2 us slower at next_n 4;
-    not kept."""
-    p = nm._u32(_pick8(j >> 3, _EXP_T8) * _pick8(j & 7, _EXP_T64))
-    high = j >= 32
-    sh = (j & 31).astype(jnp.uint32)
-    up = jnp.where(high, np.uint32(_EXP_FIX_UP >> 32), np.uint32(_EXP_FIX_UP & 0xFFFFFFFF))
-    down = jnp.where(high, np.uint32(_EXP_FIX_DOWN >> 32), np.uint32(_EXP_FIX_DOWN & 0xFFFFFFFF))
-    return nm._f32(p + ((up >> sh) & np.uint32(1)) - ((down >> sh) & np.uint32(1)))
-
-
 def _exp_no_table(d, lookup=None):
     """exp_nonpositive_f32 with T[j] = 1 + j * 2**-7 computed, not looked up (timing probe:
     what the table's loads and their addresses cost)."""
     return nm._exp_clamped(jnp.maximum(d, -87.0), lambda j: 1.0 + j.astype(jnp.float32) * (1.0 / 128))
-
-
-def ape_rows_gather(ape_ref, col):
-    """pool_compress._ape_rows gathered at the pools' [TILE, 128] indices (no shared-memory
-    layout move). Tried in session 15 (run 3): 2-5 % slower, not kept."""
-    return [pc.B.gather(ape_ref, jnp.full_like(col, j), col) for j in range(ape_ref.shape[0])]
 
 
 def _unguarded(zero, ring_keys, gate0):
@@ -177,9 +136,7 @@ PROBES = {
                          "unpack_bf16_words": unpack_bf16_words_stack},
     # sessions 13-14's forms of what session 15 changed (each the same bytes)
     "session-14 pooling": {"compress_pool": session14_compress_pool},
-    "ape rows by gather": {"pool_compress._ape_rows": ape_rows_gather},
     "ring keys unguarded": {"decode_update._keys_before_exps": _unguarded},
-    "exp table computed": {"decode_update._exp_lookup": lambda tab_ref: exp_table_compute},
     "stash last": {"decode_update._stash_first": lambda n: False},
     "all session-14": {"compress_pool": session14_compress_pool, "decode_update._keys_before_exps": _unguarded},
     # timing probes (bytes differ by design)
@@ -198,8 +155,7 @@ PROBES = {
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
 }
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
-             "session-14 pooling", "ape rows by gather", "ring keys unguarded", "all session-14",
-             "exp table computed", "stash last")
+             "session-14 pooling", "ring keys unguarded", "all session-14", "stash last")
 
 
 _MODULES = {"pool_compress": pc, "decode_update": du}

@@ -112,15 +112,10 @@ def _stash(cache_ref, s, blk, slot, key_row, gate_row, mask):
         B.scatter(cache_ref, rr, cc, nm.pack_bf16_words(row), mask & (w64 >= 0))
 
 
-def _exp_lookup(tab_ref):
-    """The exp table lookup of the completions: a gather from the table input."""
-    return B.table_lookup(tab_ref)
-
-
 def _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc):
     """Pool the R member rows (R x [128] bf16 each), rotate, quantise, store pool slot loc."""
     w32 = lax.broadcasted_iota(jnp.int32, (addr.KEY_WORDS,), 0)                     # [32]
-    q8, scale = nm.compress_pool(keys, gates, apes, _exp_lookup(tab_ref))         # [128] fp8, []
+    q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))      # [128] fp8, []
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w32)
     B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), w32 >= 0)
     rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))

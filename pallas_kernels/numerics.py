@@ -166,6 +166,7 @@ def ape_with_exp_table(ape):
 
 EXP_MAGIC = 12582912.0                                    # 1.5 * 2**23: kf + this is exact, its bits 0x4B400000 + kf
 EXP_MAGIC_BITS = 0x4B400000
+assert np.float32(EXP_MAGIC).view(np.uint32) == EXP_MAGIC_BITS and EXP_MAGIC_BITS % EXP_TABLE_SIZE == 0
 
 
 def exp_f32(d, lookup=None):

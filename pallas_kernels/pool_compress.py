@@ -53,19 +53,6 @@ def default_num_warps(tile_pools: int) -> int:
     return NUM_WARPS_MAX_TILE if tile_pools >= TILE_POOLS_MAX else NUM_WARPS
 
 
-def _ape_rows(ape_ref, col):
-    """The R ape rows, [128] f32 each, broadcast over the tile by the pooling's adds.
-
-    The H200's compiler moves each row into the pools' layout through shared memory (two
-    barriers per row, session 15's SASS); gathering the rows at the pools' [TILE, 128]
-    indices instead loads them in that layout, yet measured 2-5 % slower (session 15,
-    run 3: 13.73-13.84 / 45.82-45.92 us at 32k / 128k tokens against 13.15-13.18 /
-    44.99-45.10; ``benchmarks/probe_compress.py`` "ape rows by gather"), so they stay rows.
-    ``col`` [TILE, 128]: the pools' column indices (the gather form's).
-    """
-    return [ape_ref[j, :] for j in range(ape_ref.shape[0])]
-
-
 def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
             s: CacheStrides, t_total: int, tile_pools: int):
     # slot_ref: [T] i32; key_ref, gate_ref: [T, 128] bf16; ape_ref: [R, 128] f32;
@@ -92,7 +79,10 @@ def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref,
         member = (row - (r - 1) + j)[:, None] + 0 * col                               # [TILE, 128]
         keys.append(B.gather(key_ref, member, col, mask=m2))                          # [TILE, 128] bf16
         gates.append(B.gather(gate_ref, member, col, mask=m2))
-    apes = _ape_rows(ape_ref, col)                                                    # R x [128] f32
+    # R x [128] f32, broadcast over the tile by the pooling's adds (the compiler moves each row
+    # into the pools' layout through shared memory; gathering them at [TILE, 128] indices
+    # avoids that but measured 2-5 % slower, session 15 run 3)
+    apes = [ape_ref[j, :] for j in range(r)]
     q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))          # [TILE,128], [TILE]
     w = lax.broadcasted_iota(jnp.int32, (tile_pools, addr.KEY_WORDS), 1)            # [TILE, 32]
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc)[:, None] + w)
