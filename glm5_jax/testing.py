@@ -46,15 +46,21 @@ class Request:
 # product that met an add was exact, from 12-bit halves of its operands. Kept for the
 # saved Triton FMA pools' golden bytes (the reciprocal, tests/test_numerics.py) and for
 # the same-run baseline of benchmarks/probe_compress.py ("session-12 numerics").
-def session12_exp_f32(d, lookup=None):
-    """e**d as sessions 8-12 computed it: numerics.exp_f32's table and reduction, with
-    r**2, r**3/6 and T*q from exact 12 x 12-bit partial products."""
+def _exp_reduction_s8_s14(d, lookup=None):
+    """The argument reduction of sessions 8-14's exp: (r, k, T[k & 63]) of d clamped to
+    [-87, 88], with k from a float-to-int conversion (session 15 reads k from bits)."""
     lookup = nm.exp_table_lookup if lookup is None else lookup
     d = jnp.clip(d, -87.0, 88.0)
     kf = jnp.floor(d * nm.EXP_SCALE)
     r = ((d - kf * nm.EXP_L1) - kf * nm.EXP_L2) - kf * nm.EXP_L3
     k = kf.astype(jnp.int32)
-    t = lookup(k & (nm.EXP_TABLE_SIZE - 1))
+    return r, k, lookup(k & (nm.EXP_TABLE_SIZE - 1))
+
+
+def session12_exp_f32(d, lookup=None):
+    """e**d as sessions 8-12 computed it: numerics.exp_f32's table and reduction, with
+    r**2, r**3/6 and T*q from exact 12 x 12-bit partial products."""
+    r, k, t = _exp_reduction_s8_s14(d, lookup)
     rh, rl = nm._split12(r)
     r2 = rh * rh + rh * (rl + rl)
     r3 = nm._split12(r2)[0] * nm._split12(rh * nm.EXP_C6)[0]
@@ -143,12 +149,7 @@ def session13_hadamard128(x):
 def session14_exp_f32(d, lookup=None):
     """numerics.exp_f32 as sessions 13-14 computed it: both clamps, k by a float-to-int
     conversion, 2**(k >> 6) from k."""
-    lookup = nm.exp_table_lookup if lookup is None else lookup
-    d = jnp.clip(d, -87.0, 88.0)
-    kf = jnp.floor(d * nm.EXP_SCALE)
-    r = ((d - kf * nm.EXP_L1) - kf * nm.EXP_L2) - kf * nm.EXP_L3
-    k = kf.astype(jnp.int32)
-    t = lookup(k & (nm.EXP_TABLE_SIZE - 1))
+    r, k, t = _exp_reduction_s8_s14(d, lookup)
     q = r * (1.0 + nm.rounded(r * (0.5 + nm.rounded(r * nm.EXP_C6))))
     e = t + nm.rounded(t * q)
     return e * nm._f32((((k >> nm.EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))

@@ -184,13 +184,13 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
         stash_all()
 
 
-def _stash_first(n: int) -> bool:
+def _stash_first(tokens_per_request: int) -> bool:
     """Whether the forward program may stash before its completions: for one token. Its
     completion reads ring slots (pos - j) % ring, 1 <= j < kpool <= ring, and its stash
     writes pos % ring: never one of them, so no barrier orders the two and the stash's
     stores leave while the completion waits on its ring loads. With more tokens a later
     token may stash into a row an earlier completion reads from the ring."""
-    return n == 1
+    return tokens_per_request == 1
 
 
 def _walk_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
