@@ -3,9 +3,9 @@
 Today: ``pl.pallas_call`` lowered by the Pallas Triton backend (deprecated
 upstream since JAX 0.11, still shipped in 0.12). Kernel files call only
 ``pallas_call``, ``load``, ``store``, ``gather``, ``scatter``, ``atomic_add``,
-``barrier`` and ``resolve_interpret`` from here, so moving to Mosaic GPU or
-jax-triton later touches this file and the kernel bodies' memory ops, not their
-callers.
+``barrier``, ``table_lookup``, ``mul_rn`` and ``resolve_interpret`` from here, so
+moving to Mosaic GPU or jax-triton later touches this file and the kernel bodies'
+memory ops, not their callers.
 """
 from __future__ import annotations
 
@@ -73,6 +73,43 @@ def table_lookup(ref):
     """j -> ref[0, j] for int index arrays j: a small constant table passed in as a
     [1, n] kernel input (kernel bodies cannot close over arrays)."""
     return lambda j: gather(ref, jax.numpy.zeros_like(j), j)
+
+
+def mul_rn(interpret: bool):
+    """The kernels' separately rounded f32 multiply (``numerics.mul_rounded``'s contract),
+    as the ``mul`` that the numerics functions take; None (their default) in interpret
+    mode and on ROCm.
+
+    Compiled for an NVIDIA GPU it is one ``mul.rn.f32`` of inline PTX: ptxas never fuses
+    a multiply that names its rounding mode into an FMA, and LLVM does not look into
+    inline assembly, so no compiler setting can contract it, and the integer min that
+    ``numerics.rounded`` needs for that elsewhere is gone. Both are the correctly rounded
+    product: the same bits for every product that is not a NaN (the GPU write tests hold
+    the kernels to the XLA reference byte for byte).
+    """
+    if interpret or _rocm():
+        return None
+
+    def mul(a, b):
+        a = jax.numpy.asarray(a, jax.numpy.float32)
+        b = jax.numpy.asarray(b, jax.numpy.float32)
+        shape = jax.numpy.broadcast_shapes(a.shape, b.shape)
+        [p] = plt.elementwise_inline_asm(
+            "mul.rn.f32 $0, $1, $2;", args=[jax.numpy.broadcast_to(a, shape), jax.numpy.broadcast_to(b, shape)],
+            constraints="=f,f,f", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jax.numpy.float32)])
+        return p
+
+    return mul
+
+
+def _rocm() -> bool:
+    """Whether the GPU is AMD's (no PTX). Without a GPU, compiled kernels can only be
+    lowered for CUDA (benchmarks/offline_sass.py), so that counts as NVIDIA."""
+    try:
+        dev = jax.local_devices(backend="gpu")[0]
+    except RuntimeError:
+        return False
+    return "rocm" in getattr(dev.client, "platform_version", "").lower()
 
 
 def scatter(ref, rows, cols, value, mask):

@@ -112,10 +112,10 @@ def _stash(cache_ref, s, blk, slot, key_row, gate_row, mask):
         B.scatter(cache_ref, rr, cc, nm.pack_bf16_words(row), mask & (w64 >= 0))
 
 
-def _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc):
+def _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc, interpret):
     """Pool the R member rows (R x [128] bf16 each), rotate, quantise, store pool slot loc."""
     w32 = lax.broadcasted_iota(jnp.int32, (addr.KEY_WORDS,), 0)                     # [32]
-    q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))      # [128] fp8, []
+    q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref), B.mul_rn(interpret))   # [128] fp8, []
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w32)
     B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), w32 >= 0)
     rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))
@@ -163,7 +163,7 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
             gates.append(_pick(gates_in, t))
             if ring_keys:
                 gates[0] = _keys_before_exps(zero, ring_keys, gates[0])
-            _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc_t)
+            _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc_t, interpret)
 
         return carry
 
@@ -218,7 +218,7 @@ def _walk_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_r
             gates = [_ring_row(cache_ref, s, blk, sl, 1) for sl in slots] + [gate_ref[b, t, :]]
             if ring_keys:
                 gates[0] = _keys_before_exps(zero, ring_keys, gates[0])
-            _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc)
+            _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc, interpret)
 
         B.barrier(interpret)                                # reads above finish before the stash
         _stash(cache_ref, s, blk, pos_c % s.ring, key_ref[b, t, :], gate_ref[b, t, :],

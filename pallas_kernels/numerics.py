@@ -119,6 +119,19 @@ def rounded(p):
     return _f32(jnp.minimum(_u32(p), np.uint32(0xFFFFFFFE)))
 
 
+def mul_rounded(a, b):
+    """a * b rounded to f32 on its own, whatever the compiler contracts: ``rounded(a * b)``.
+
+    Every numerics function below that feeds a product into an add takes its multiply as
+    ``mul`` (default: this). The Pallas kernels compiled for a GPU pass
+    ``_backend.mul_rn``, one ``mul.rn.f32`` instruction (PTX never contracts a multiply
+    with an explicit rounding mode, and LLVM cannot look into inline assembly), which
+    saves ``rounded``'s integer min. Both are the correctly rounded IEEE product, so they
+    give the same bits for every product that is not a NaN (session 16).
+    """
+    return rounded(a * b)
+
+
 def mac(c, a, b):
     """c + a*b from four exact partial products (12 x 12 bits each).
 
@@ -169,30 +182,41 @@ EXP_MAGIC_BITS = 0x4B400000
 assert np.float32(EXP_MAGIC).view(np.uint32) == EXP_MAGIC_BITS and EXP_MAGIC_BITS % EXP_TABLE_SIZE == 0
 
 
-def exp_f32(d, lookup=None):
+def exp_f32(d, lookup=None, mul=None):
     """e**d for f32 d (clamped to [-87, 88]); about 1 ulp, identical bits on every backend.
 
     d = k ln2/64 + r with k = floor(d * 64 log2 e) and r in [0, ln2/64) from a
     three-part ln2/64 (exact products with k); e**d = 2**(k >> 6) * T[k & 63] * e**r
     with T = EXP_TABLE (``lookup`` gives T[j]; default: an XLA gather of the
     constant). e**r = 1 + q with q = r (1 + r (1/2 + r/6)) (Horner; r**4/24 < 2**-30)
-    and T e**r = T + T q. Every product that meets an add goes through ``rounded``, so
-    the multiply rounds on its own whatever the compiler contracts.
+    and T e**r = T + T q. Every product that meets an add goes through ``mul``
+    (``mul_rounded``), so the multiply rounds on its own whatever the compiler contracts.
 
     History: sessions 1-7 used a degree-9 polynomial of exact four-product steps; session
     8 the table with exact 12 x 12-bit partial products (42 % fewer instructions); session
     13 this form (the same table and reduction, max error 1.10 ulp against 1.12).
     """
-    return _exp_clamped(jnp.clip(d, -87.0, 88.0), lookup)
+    return _exp_clamped(jnp.clip(d, -87.0, 88.0), lookup, mul)
 
 
-def exp_nonpositive_f32(d, lookup=None):
+def exp_nonpositive_f32(d, lookup=None, mul=None):
     """``exp_f32`` for d <= 0 (the pooling's d = s - max s), with its bits: the clamp
-    is the lower bound alone (d > 88 cannot occur). NaN stays NaN as in ``exp_f32``."""
-    return _exp_clamped(jnp.maximum(d, -87.0), lookup)
+    is the lower bound alone (d > 88 cannot occur), and the power of two is applied to
+    the bits (below). Domain: d <= 0 and not NaN (the pooling's d is finite for finite
+    gates); a NaN d gives an unspecified value (until session 15, NaN; the GPU's clamp
+    already made it -87 there while XLA kept the NaN).
+
+    2**(k >> 6) by the bits: for d in [-87, 0], k >> 6 is in [-126, 0], and e = T (1 + q)
+    is in [1, 2] wherever k >> 6 = -126 (there k >= -8033, so T[k & 63] >= 2**(31/64));
+    elsewhere e > 1 - 2**-23. So e * 2**(k >> 6) is a normal number, the multiply is
+    exact, and its bits are e's plus (k >> 6) << 23 = (kb << 17) & 0xFF800000 (mod
+    2**32: 0x4B400000 << 17 wraps to 0). One integer add instead of building 2**(k >> 6)
+    and multiplying (session 16; ``exp_f32`` keeps the multiply, whose overflow and
+    underflow past this range it needs)."""
+    return _exp_clamped(jnp.maximum(d, -87.0), lookup, mul, scale_by_bits=True)
 
 
-def _exp_clamped(d, lookup=None):
+def _exp_clamped(d, lookup=None, mul=None, scale_by_bits=False):
     """``exp_f32`` of d already in [-87, 88].
 
     k is read from the bits of kf + 1.5 * 2**23 (exact: |kf| <= 8125 < 2**22, and no
@@ -203,25 +227,30 @@ def _exp_clamped(d, lookup=None):
     13-14's ``kf.astype(int32)`` form (``glm5_jax.testing.session14_exp_f32``, test_numerics).
     """
     lookup = exp_table_lookup if lookup is None else lookup
+    mul = mul_rounded if mul is None else mul
     kf = jnp.floor(d * EXP_SCALE)                          # |k| <= 8125
     r = ((d - kf * EXP_L1) - kf * EXP_L2) - kf * EXP_L3    # [-tiny, ln2/64): exact products
     kb = _u32(kf + EXP_MAGIC)                              # 0x4B400000 + k
     t = lookup((kb & np.uint32(EXP_TABLE_SIZE - 1)).astype(jnp.int32))   # T[k & 63] in [1, 2)
-    q = r * (1.0 + rounded(r * (0.5 + rounded(r * EXP_C6))))   # e**r - 1
-    e = t + rounded(t * q)                                 # T (1 + q)
+    q = r * (1.0 + mul(r, 0.5 + mul(r, EXP_C6)))          # e**r - 1
+    e = t + mul(t, q)                                      # T (1 + q)
+    if scale_by_bits:                                      # d in [-87, 0]: exp_nonpositive_f32
+        return _f32(_u32(e) + ((kb << np.uint32(17)) & np.uint32(0xFF800000)))
     # 2**(k >> 6): (k >> 6) + 127 = (kb >> 6) - (0x4B400000 >> 6) + 127, mod 2**9 after the shift
     two_n = _f32(((kb >> EXP_TABLE_BITS) + np.uint32((127 - (EXP_MAGIC_BITS >> EXP_TABLE_BITS)) & 0xFFFFFFFF))
                  << np.uint32(23))
     return e * two_n
 
 
-def recip_f32(b):
+def recip_f32(b, mul=None):
     """1 / b for positive normal f32 b: bit-trick seed + 4 Newton steps y (2 - b y),
-    the product b y rounded on its own (``rounded``); at most 1.5 ulp (2.0 with session
-    8-12's exact four-product steps, whose bits ``testing.session12_recip_f32`` keeps)."""
+    the product b y rounded on its own (``mul``: ``mul_rounded``); at most 1.5 ulp (2.0
+    with session 8-12's exact four-product steps, whose bits ``testing.session12_recip_f32``
+    keeps)."""
+    mul = mul_rounded if mul is None else mul
     y = _f32(np.uint32(0x7EF311C3) - _u32(b))
     for _ in range(4):
-        y = y * (2.0 - rounded(b * y))
+        y = y * (2.0 - mul(b, y))
     return y
 
 
@@ -274,20 +303,23 @@ def rotate_quant(x):
     return quant_fp8(y)
 
 
-def mac_bf16(c, k, e):
+def mac_bf16(c, k, e, mul=None):
     """c + k*e for the pooled sum (k a bf16-valued key, e an exp weight): the product
-    rounded on its own (``rounded``), then the add. Sessions 8-12 split e into two 12-bit
-    halves for two exact partial products instead (other bits, one more instruction)."""
-    return c + rounded(k * e)
+    rounded on its own (``mul``: ``mul_rounded``), then the add. Sessions 8-12 split e into
+    two 12-bit halves for two exact partial products instead (other bits, one more
+    instruction)."""
+    return c + (mul_rounded if mul is None else mul)(k, e)
 
 
-def compress_pool(keys, gates, ape_rows, exp_lookup=None):
+def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None):
     """Softmax-gated pooling of one pool (spec 2.2), then rotation + fp8.
 
     keys, gates: sequences of R arrays [..., 128] bf16 (slot j = pos % R order).
     ape_rows: sequence of R arrays [128] (or broadcastable) f32.
     exp_lookup: the EXP_TABLE lookup of ``exp_f32`` (kernels pass a gather from
     their table input; default: an XLA gather of the constant).
+    mul: the separately rounded multiply of every product that meets an add
+    (default ``mul_rounded``; compiled kernels pass ``_backend.mul_rn``: same bits).
     Two-pass softmax with explicit left-to-right sums, so every backend adds in the
     same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
 
@@ -301,13 +333,14 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None):
     m = s[0]
     for j in range(1, r):
         m = jnp.maximum(m, s[j])
-    e = [exp_nonpositive_f32(s[j] - m, exp_lookup) for j in range(r)]
+    mul = mul_rounded if mul is None else mul
+    e = [exp_nonpositive_f32(s[j] - m, exp_lookup, mul) for j in range(r)]
     den = e[0]
-    acc = rounded(keys[0].astype(jnp.float32) * e[0])      # (0 + that until session 14: see below)
+    acc = mul(keys[0].astype(jnp.float32), e[0])           # (0 + that until session 14: see below)
     for j in range(1, r):
         den = den + e[j]
-        acc = mac_bf16(acc, keys[j].astype(jnp.float32), e[j])
-    x = round_bf16(acc * recip_f32(den))
+        acc = mac_bf16(acc, keys[j].astype(jnp.float32), e[j], mul)
+    x = round_bf16(acc * recip_f32(den, mul))
     return rotate_quant(x)
 
 

@@ -54,7 +54,7 @@ def default_num_warps(tile_pools: int) -> int:
 
 
 def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
-            s: CacheStrides, t_total: int, tile_pools: int):
+            s: CacheStrides, t_total: int, tile_pools: int, interpret: bool):
     # slot_ref: [T] i32; key_ref, gate_ref: [T, 128] bf16; ape_ref: [R, 128] f32;
     # tab_ref: [1, 64] f32 (numerics.EXP_TABLE); cache_ref: [rows, 1024] u32
     r = s.kpool
@@ -83,7 +83,7 @@ def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref,
     # into the pools' layout through shared memory; gathering them at [TILE, 128] indices
     # avoids that but measured 2-5 % slower, session 15 run 3)
     apes = [ape_ref[j, :] for j in range(r)]
-    q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref))          # [TILE,128], [TILE]
+    q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref), B.mul_rn(interpret))   # [TILE,128], [TILE]
     w = lax.broadcasted_iota(jnp.int32, (tile_pools, addr.KEY_WORDS), 1)            # [TILE, 32]
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc)[:, None] + w)
     B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), valid[:, None] & (w >= 0))
@@ -107,8 +107,9 @@ def compress_prefill(cache, s: CacheStrides, key, gate, ape, slot_mapping, *, in
     num_warps = default_num_warps(tile_pools) if num_warps is None else num_warps
     view = cache.reshape(addr.view_shape(s))
     w_rows = tile_pools * s.kpool
+    interpret = B.resolve_interpret(interpret)
     out = B.pallas_call(
-        functools.partial(_kernel, s=s, t_total=t, tile_pools=tile_pools),
+        functools.partial(_kernel, s=s, t_total=t, tile_pools=tile_pools, interpret=interpret),
         grid=(-(-t // w_rows),),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
         input_output_aliases={5: 0},

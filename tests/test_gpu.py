@@ -200,3 +200,27 @@ def test_byte_view_adds_no_copy_of_the_cache(rng):
     assert mem.output_size_in_bytes < cache_bytes // 4
     n_u8 = [ln for ln in text.splitlines() if " = u8[" in ln and "bitcast" not in ln and "parameter" not in ln]
     assert n_u8 == [], n_u8
+
+
+def test_mul_rn_is_the_separately_rounded_product(rng):
+    """_backend.mul_rn compiled: c + mul_rn(a, b) is the f32 product rounded on its own,
+    then the add (numpy's separately rounded steps), on inputs where a fused multiply-add
+    would give other bits for many of them (checked against a float64 model of the FMA)."""
+    from pallas_kernels import _backend as B
+    n = 4096
+    a = (rng.uniform(1, 2, n) * np.exp2(rng.integers(-8, 8, n))).astype(np.float32)
+    b = (rng.uniform(1, 2, n) * np.exp2(rng.integers(-8, 8, n))).astype(np.float32)
+    c = (-(a.astype(np.float64) * b) * rng.uniform(0.5, 1.5, n)).astype(np.float32)   # cancellation: FMA differs
+    mul = B.mul_rn(interpret=False)
+    assert mul is not None
+
+    def kernel(a_ref, b_ref, c_ref, o_ref):
+        o_ref[...] = c_ref[...] + mul(a_ref[...], b_ref[...])
+
+    out = B.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
+                        input_output_aliases={}, interpret=False, name="mul_rn_check")(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
+    want = c + a * b                                                                  # numpy f32: two roundings
+    fused = (c.astype(np.float64) + a.astype(np.float64) * b).astype(np.float32)      # the product exact in f64
+    assert int(np.sum(fused.view(np.uint32) != want.view(np.uint32))) > n // 4
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), want.view(np.uint32))

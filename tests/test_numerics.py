@@ -435,6 +435,57 @@ def test_exp_forms_of_session15_keep_session14_bits(rng):
     assert _bits(np.asarray(nm.exp_nonpositive_f32(big))) != _bits(np.asarray(nm.exp_f32(big)))
 
 
+def test_exp_nonpositive_power_by_bits_equals_the_multiply(rng):
+    """exp_nonpositive_f32 applies 2**(k >> 6) by adding (k >> 6) << 23 to e's bits (session
+    16): the same bits as session 15's multiply (``_exp_clamped`` without scale_by_bits) and
+    as session 14's form, for EVERY f32 in [-87, -86.5] (k >> 6 = -126, the bottom of the
+    range, where a subnormal product would break the add: it stays normal), every f32 within
+    +-6 ulps of each k boundary k / EXP_SCALE in [-87, 0], the tiny d near 0 (r < 0 there,
+    e < 1) and random d; with the XLA gather and with a kernel-style lookup."""
+    lo = np.float32(-87.0).view(np.uint32)
+    hi = np.float32(-86.5).view(np.uint32)
+    every = np.arange(hi, lo + 1, dtype=np.uint32).view(F32)                       # all of [-87, -86.5]
+    edges = (np.arange(-8033, 1) / F32(nm.EXP_SCALE)).astype(F32)
+    near = (edges.view(np.int32)[:, None] + np.arange(-6, 7, dtype=np.int32)[None, :]).view(F32).ravel()
+    near = near[np.isfinite(near)]                      # (around 0 the int steps wrap into NaN patterns)
+    tiny = -np.exp2(rng.uniform(-149, -5, 20000)).astype(F32)
+    d = np.concatenate([every, near, tiny, rng.uniform(-87, 0, 20000).astype(F32), [0.0, -0.0, -87.0]]).astype(F32)
+    d = np.clip(d, F32(-87.0), F32(0.0))
+    assert every.size > 60000
+    tab = jnp.asarray(nm.exp_table_input())
+    kernel_lookup = lambda j: tab[jnp.zeros_like(j), j]                           # noqa: E731
+    mult = np.asarray(jax.jit(lambda x: nm._exp_clamped(jnp.maximum(x, -87.0)))(jnp.asarray(d)))
+    np.testing.assert_array_equal(_bits(mult), _bits(np.asarray(jax.jit(session14_exp_f32)(jnp.asarray(d)))))
+    for name, got in (("gather", jax.jit(nm.exp_nonpositive_f32)(jnp.asarray(d))),
+                      ("kernel lookup", jax.jit(lambda x: nm.exp_nonpositive_f32(x, kernel_lookup))(jnp.asarray(d)))):
+        np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(mult), err_msg=name)
+    # the cases the argument rests on are in the draw: e < 1 (near 0) and the bottom binade
+    assert np.any(mult < 1.0) and np.min(mult[mult > 0]) < 2.0 ** -125
+
+
+def test_compress_pool_takes_its_multiply_as_mul(rng):
+    """Every product that meets an add in compress_pool goes through its ``mul`` (the
+    compiled kernels pass a mul.rn.f32 there): a mul that rounds the same way gives the
+    same bytes, one that does not changes them (so no product bypasses it)."""
+    keys = [jnp.asarray(_random_f32(rng, 4 * 128, -3, 3).reshape(4, 128)).astype(jnp.bfloat16) for _ in range(4)]
+    gates = [jnp.asarray(rng.normal(0, 2, (4, 128)).astype(F32)).astype(jnp.bfloat16) for _ in range(4)]
+    apes = [jnp.asarray(rng.normal(0, 1, 128).astype(F32)) for _ in range(4)]
+    base = [np.asarray(a) for a in nm.compress_pool(keys, gates, apes)]
+    same = [np.asarray(a) for a in nm.compress_pool(keys, gates, apes, mul=lambda a, b: a * b)]
+    np.testing.assert_array_equal(base[0].view(np.uint8), same[0].view(np.uint8))
+    np.testing.assert_array_equal(base[1], same[1])
+    calls = []
+
+    def counting(a, b):
+        calls.append(1)
+        return nm.mul_rounded(a, b)
+    nm.compress_pool(keys, gates, apes, mul=counting)
+    assert len(calls) == 4 * 3 + 4 + 4           # 3 per exp, the 4 pooled products, 4 Newton steps
+    off = [np.asarray(a) for a in nm.compress_pool(keys, gates, apes,
+                                                   mul=lambda a, b: nm.mul_rounded(a, b) + F32(2.0 ** -6))]
+    assert not np.array_equal(base[0].view(np.uint8), off[0].view(np.uint8))
+
+
 def test_compress_pool_keeps_session14_bytes_with_signed_zero_keys(rng):
     """compress_pool's sum starts from k_0 e_0 (no 0 +) since session 15: the same fp8
     bytes and scales as sessions 13-14's form, for random pools and for pools whose keys

@@ -153,3 +153,36 @@ def test_decode_update_default_path_and_bad_path():
     row = jnp.zeros((1, 1, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="path must be one of"):
         du.decode_update(layout.allocate(0), layout.strides(0), row, row, jnp.zeros((4, 128)), z, z, z, path="fast")
+
+
+def test_compiled_write_kernels_multiply_by_mul_rn():
+    """Lowered for CUDA (here on the CPU, as benchmarks/offline_sass.py does), the
+    compression and decode kernels round each of their 20 products that meet an add with
+    one inline ``mul.rn.f32`` (3 per exp x 4, the 4 pooled products, 4 Newton steps) and
+    carry none of ``numerics.rounded``'s integer mins; in interpret mode they use
+    ``numerics.mul_rounded`` (the tests above). The GPU tests hold both to the reference."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import offline_sass as osass
+    from pallas_kernels import _backend as B
+    from pallas_kernels.decode_update import decode_update
+    from pallas_kernels.pool_compress import compress_prefill
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    assert B.mul_rn(True) is None
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
+    s = layout.strides(0)
+    t = 64
+    row = jnp.zeros((t, 128), jnp.bfloat16)
+    ape = jnp.zeros((4, 128), jnp.float32)
+    sl = jnp.arange(t, dtype=jnp.int32)
+    comp = osass.capture(lambda c, k, g, a, m: compress_prefill(c, s, k, g, a, m, interpret=False),
+                         layout.allocate(0), row, row, ape, sl)
+    z = jnp.zeros((2, 4), jnp.int32)
+    rows = jnp.zeros((2, 4, 128), jnp.bfloat16)
+    dec = osass.capture(lambda c, *a: decode_update(c, s, *a, interpret=False), layout.allocate(0), rows, rows, ape,
+                        z, z, z)
+    for name, _, _, ir in comp + dec:
+        assert ir.count("mul.rn.f32") == 20, name
+        assert "arith.minui" not in ir, name
