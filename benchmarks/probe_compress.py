@@ -6,8 +6,8 @@ Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/probe_compress.py [--tok
                       [--probes exact,...] [--decode] [--quick]
 
 Each variant patches functions of ``pallas_kernels.numerics`` (or, named
-``pool_compress.f`` / ``decode_update.f``, helpers of those kernel files; the kernel
-bodies look them up at trace time) and clears JAX's caches. Every call is timed as a device span
+``pool_compress.f`` / ``decode_update.f`` / ``_backend.f``, helpers of those kernel
+files and the backend; the kernel bodies look them up at trace time) and clears JAX's caches. Every call is timed as a device span
 from a profiler trace, queued behind a busy kernel (trace_writes.py's method; off the
 GPU, host wall time), against a 1 GiB copy and an empty kernel traced the same way.
 "exact" is the shipped kernel and the probes in SAME_BITS are candidate forms of it:
@@ -37,6 +37,7 @@ import numpy as np
 from glm5_jax import ops
 from glm5_jax.testing import (session7_exp_f32, session12_e4m3_bits, session12_exp_f32, session12_mac_bf16,
                               session12_recip_f32, session13_hadamard128, session14_compress_pool)
+from pallas_kernels import _backend as pb
 from pallas_kernels import decode_update as du
 from pallas_kernels import numerics as nm
 from pallas_kernels import pool_compress as pc
@@ -90,10 +91,17 @@ def unpack_bf16_words_stack(w):
     return jax.lax.bitcast_convert_type(h.astype(jnp.uint16).reshape(lead + (nm.HEAD_DIM,)), jnp.bfloat16)
 
 
-def _exp_no_table(d, lookup=None):
+def _exp_no_table(d, lookup=None, mul=None):
     """exp_nonpositive_f32 with T[j] = 1 + j * 2**-7 computed, not looked up (timing probe:
     what the table's loads and their addresses cost)."""
-    return nm._exp_clamped(jnp.maximum(d, -87.0), lambda j: 1.0 + j.astype(jnp.float32) * (1.0 / 128))
+    return nm._exp_clamped(jnp.maximum(d, -87.0), lambda j: 1.0 + j.astype(jnp.float32) * (1.0 / 128), mul,
+                           scale_by_bits=True)
+
+
+def _exp_nonpositive_s15(d, lookup=None, mul=None):
+    """exp_nonpositive_f32 as in session 15: 2**(k >> 6) built and multiplied in (the same
+    bits; session 16 adds (k >> 6) << 23 to the bits of e instead)."""
+    return nm._exp_clamped(jnp.maximum(d, -87.0), lookup, mul)
 
 
 def _unguarded(zero, ring_keys, gate0):
@@ -102,23 +110,29 @@ def _unguarded(zero, ring_keys, gate0):
     return gate0
 
 
-def _plain_mac(c, a, b):
+def _plain_mac(c, a, b, mul=None):
     return c + a * b
 
 
-def _fast_exp(d, lookup=None):
+def _fast_exp(d, lookup=None, mul=None):
     return jnp.exp(jnp.clip(d, -87.0, 88.0))
 
 
-def _fast_recip(b):
+def _fast_recip(b, mul=None):
     return 1.0 / b
+
+
+def _without_mul(f, n):
+    """An older numerics form with n arguments in the place of one that also takes ``mul``
+    (the n + 1-th, positional or named)."""
+    return lambda *a, mul=None: f(*a[:n])
 
 
 def _no_hadamard(x):
     return x
 
 
-def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None):
+def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None, mul=None):
     """compress_pool's shapes with none of its work: the newest member's key as the fp8
     row, its largest element as the scale (the kernel's loads and stores stay; a
     reduction, since the Pallas Triton lowering has no slice)."""
@@ -135,38 +149,42 @@ PROBES = {
     "words by unstack": {"pack_fp8_words": pack_fp8_words_unstack, "pack_bf16_words": pack_bf16_words_unstack,
                          "unpack_bf16_words": unpack_bf16_words_stack},
     # sessions 13-14's forms of what session 15 changed (each the same bytes)
-    "session-14 pooling": {"compress_pool": session14_compress_pool},
+    "session-14 pooling": {"compress_pool": _without_mul(session14_compress_pool, 4)},
     "ring keys unguarded": {"decode_update._keys_before_exps": _unguarded},
     "stash last": {"decode_update._stash_first": lambda n: False},
-    # a candidate for the next session (not run yet): the kernels without the contraction guard.
-    # The H200's Pallas Triton emits no FFMA (session 15's SASS), so the bytes may still match
-    # the guarded reference there (checked like the forms above); no guarantee across versions
-    "rounded -> identity": {"rounded": lambda p: p},
-    "all session-14": {"compress_pool": session14_compress_pool, "decode_update._keys_before_exps": _unguarded},
+    "all session-14": {"compress_pool": _without_mul(session14_compress_pool, 4),
+                       "decode_update._keys_before_exps": _unguarded},
+    # session 15's forms of what session 16 changed (each the same bytes)
+    "mul by rounded": {"_backend.mul_rn": lambda interpret: None},
+    "exp power by multiply": {"exp_nonpositive_f32": _exp_nonpositive_s15},
+    "session-15 numerics": {"_backend.mul_rn": lambda interpret: None, "exp_nonpositive_f32": _exp_nonpositive_s15},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
-    "session-12 numerics": {"exp_f32": session12_exp_f32, "mac_bf16": session12_mac_bf16,
-                            "recip_f32": session12_recip_f32, "e4m3_bits": session12_e4m3_bits},
-    "session-7 numerics": {"exp_f32": session7_exp_f32, "mac_bf16": nm.mac, "recip_f32": session12_recip_f32},
+    "session-12 numerics": {"exp_nonpositive_f32": _without_mul(session12_exp_f32, 2),
+                            "mac_bf16": _without_mul(session12_mac_bf16, 3),
+                            "recip_f32": _without_mul(session12_recip_f32, 1), "e4m3_bits": session12_e4m3_bits},
+    "session-7 numerics": {"exp_nonpositive_f32": _without_mul(session7_exp_f32, 2), "mac_bf16": _without_mul(nm.mac, 3),
+                           "recip_f32": _without_mul(session12_recip_f32, 1)},
     "mac -> c + a*b": {"mac": _plain_mac, "mac_bf16": _plain_mac},
-    "exp -> jnp.exp": {"exp_f32": _fast_exp},
+    "exp -> jnp.exp": {"exp_nonpositive_f32": _fast_exp},
     "exp no table": {"exp_nonpositive_f32": _exp_no_table},
     "recip -> 1/x": {"recip_f32": _fast_recip},
     "hadamard -> identity": {"hadamard128": _no_hadamard},
-    "exp+recip cheap": {"exp_f32": _fast_exp, "recip_f32": _fast_recip},
-    "all cheap": {"exp_f32": _fast_exp, "recip_f32": _fast_recip, "mac": _plain_mac,
+    "exp+recip cheap": {"exp_nonpositive_f32": _fast_exp, "recip_f32": _fast_recip},
+    "all cheap": {"exp_nonpositive_f32": _fast_exp, "recip_f32": _fast_recip, "mac": _plain_mac,
                   "mac_bf16": _plain_mac, "hadamard128": _no_hadamard},
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
 }
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
-             "session-14 pooling", "ring keys unguarded", "all session-14", "stash last", "rounded -> identity")
+             "session-14 pooling", "ring keys unguarded", "all session-14", "stash last", "mul by rounded",
+             "exp power by multiply", "session-15 numerics")
 
 
-_MODULES = {"pool_compress": pc, "decode_update": du}
+_MODULES = {"pool_compress": pc, "decode_update": du, "_backend": pb}
 
 
 def _target(name):
-    """'fn' -> (numerics, 'fn'); 'pool_compress.fn' / 'decode_update.fn' -> (that module, 'fn')."""
+    """'fn' -> (numerics, 'fn'); 'pool_compress.fn' / 'decode_update.fn' / '_backend.fn' -> (that module, 'fn')."""
     mod, _, attr = name.rpartition(".")
     return (_MODULES[mod] if mod else nm), attr
 

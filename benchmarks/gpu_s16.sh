@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 16's device calls, one H200.
+#   PART=check   the kernels' products as one inline mul.rn.f32 (_backend.mul_rn) and the pooling exp's
+#                power of two added to the bits, compiled: the numerics, write-kernel, launch-shape,
+#                reference, Triton-port and GPU write tests (the new mul_rn test included); then
+#                probe_compress.py A/B against session 15's forms, compression ($PROBES_C) at 32k / 128k
+#                tokens and the decode update ($PROBES_D) at B = 256 / 1, next_n 1 / 4, $REPEAT times
+#   PART=final   the whole suite compiled (gpu_s13.sh's list), trace_writes.py at the default shapes
+#                (the benchmarks.md table), the notebooks' cells
+# Logs under $OUT.   device tool: PART=check bash benchmarks/gpu_s16.sh   (carry .vectors and .whl)
+PART=${PART:-check}
+HERE="$(cd "$(dirname "$0")" && pwd)"
+source "$HERE/_gpu_env.sh"
+if [ "$PART" = check ]; then
+  timeout "${T_S:-200}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_numerics.py \
+    tests/test_write_kernels.py tests/test_write_launch_shapes.py tests/test_reference.py \
+    tests/test_triton.py --deselect tests/test_triton.py::test_triton_large_cache \
+    tests/test_gpu.py -k "not reads and not read_path and not byte_view and not ordered and not attention" \
+    > "$OUT/pytest_check.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_check.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_check.log" | tail -12
+  timeout "${PC_S:-170}" python3 benchmarks/probe_compress.py --shapes dx2 --repeat "${REPEAT:-2}" \
+    --probes "${PROBES_C:-exact,session-15 numerics,mul by rounded,exp power by multiply}" \
+    > "$OUT/probe_compress.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_compress.txt"; grep -v "^W\|^I0" "$OUT/probe_compress.txt" | tail -24
+  timeout "${PD_S:-170}" python3 benchmarks/probe_compress.py --decode --repeat "${REPEAT:-2}" \
+    --probes "${PROBES_D:-exact,session-15 numerics,exp no table,no pool arithmetic}" \
+    > "$OUT/probe_decode.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_decode.txt"; grep -v "^W\|^I0" "$OUT/probe_decode.txt" | tail -42
+fi
+if [ "$PART" = final ]; then
+  timeout "${T_S:-260}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE tests \
+    --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py \
+    --deselect tests/test_triton.py::test_triton_large_cache > "$OUT/pytest_all.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_all.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_all.log" | tail -12
+  timeout "${TW_S:-130}" python3 benchmarks/trace_writes.py --json "$OUT/trace_writes.json" > "$OUT/trace_writes.txt" 2>&1
+  echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -22
+  timeout "${N_S:-90}" python3 tests/scripts/run_notebook_cells.py ${NOTEBOOKS:-} > "$OUT/notebooks.txt" 2>&1
+  echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
+fi
