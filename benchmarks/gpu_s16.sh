@@ -5,6 +5,10 @@
 #                reference, Triton-port and GPU write tests (the new mul_rn test included); then
 #                probe_compress.py A/B against session 15's forms, compression ($PROBES_C) at 32k / 128k
 #                tokens and the decode update ($PROBES_D) at B = 256 / 1, next_n 1 / 4, $REPEAT times
+#   PART=check2  the exp's exact reduction steps as one fma.rn.f32 each (_backend.sub_exact_rn): the
+#                numerics, write-kernel, launch-shape, reference and GPU write tests, probe A/B
+#                ($PROBES_C at 32k / 128k tokens, $PROBES_D), then Nsight Compute on the compression
+#                kernel at its shipped 4 x 2 shape with the whole SASS listing (gpu_s14.sh PART=ncu)
 #   PART=final   the whole suite compiled (gpu_s13.sh's list), trace_writes.py at the default shapes
 #                (the benchmarks.md table), the notebooks' cells
 # Logs under $OUT.   device tool: PART=check bash benchmarks/gpu_s16.sh   (carry .vectors and .whl)
@@ -26,6 +30,20 @@ if [ "$PART" = check ]; then
     --probes "${PROBES_D:-exact,session-15 numerics,exp no table,no pool arithmetic}" \
     > "$OUT/probe_decode.txt" 2>&1
   echo "rc=$?" >> "$OUT/probe_decode.txt"; grep -v "^W\|^I0" "$OUT/probe_decode.txt" | tail -42
+fi
+if [ "$PART" = check2 ]; then
+  timeout "${T_S:-170}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_numerics.py \
+    tests/test_write_kernels.py tests/test_write_launch_shapes.py tests/test_reference.py \
+    tests/test_gpu.py -k "not reads and not read_path and not byte_view and not ordered and not attention" \
+    > "$OUT/pytest_check.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_check.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_check.log" | tail -12
+  timeout "${PC_S:-130}" python3 benchmarks/probe_compress.py --shapes dx2 --repeat "${REPEAT:-2}" \
+    --probes "${PROBES_C:-exact,exact products unfused,session-15 numerics}" > "$OUT/probe_compress.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_compress.txt"; grep -v "^W\|^I0" "$OUT/probe_compress.txt" | tail -16
+  timeout "${PD_S:-90}" python3 benchmarks/probe_compress.py --decode \
+    --probes "${PROBES_D:-exact,exact products unfused,session-15 numerics}" > "$OUT/probe_decode.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_decode.txt"; grep -v "^W\|^I0" "$OUT/probe_decode.txt" | tail -20
+  CASES=compress COMPRESS_SHAPE=dx2 SAVE_SASS=1 PART=ncu bash "$HERE/gpu_s14.sh"
 fi
 if [ "$PART" = final ]; then
   timeout "${T_S:-260}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE tests \

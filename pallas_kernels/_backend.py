@@ -3,7 +3,7 @@
 Today: ``pl.pallas_call`` lowered by the Pallas Triton backend (deprecated
 upstream since JAX 0.11, still shipped in 0.12). Kernel files call only
 ``pallas_call``, ``load``, ``store``, ``gather``, ``scatter``, ``atomic_add``,
-``barrier``, ``table_lookup``, ``mul_rn`` and ``resolve_interpret`` from here, so
+``barrier``, ``table_lookup``, ``kernel_numerics`` and ``resolve_interpret`` from here, so
 moving to Mosaic GPU or jax-triton later touches this file and the kernel bodies'
 memory ops, not their callers.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 
 import jax
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -75,6 +76,36 @@ def table_lookup(ref):
     return lambda j: gather(ref, jax.numpy.zeros_like(j), j)
 
 
+def kernel_numerics(tab_ref, interpret: bool) -> dict:
+    """The keyword arguments a kernel body gives ``numerics.compress_pool``: its exp table
+    lookup and, compiled, the PTX forms of its multiplies (``mul_rn``, ``sub_exact_rn``)."""
+    return dict(exp_lookup=table_lookup(tab_ref), mul=mul_rn(interpret), sub_exact=sub_exact_rn(interpret))
+
+
+def _asm_f32(asm: str, *args):
+    """One f32 PTX instruction applied elementwise to f32 operands (broadcast to one shape)."""
+    args = [jax.numpy.asarray(a, jax.numpy.float32) for a in args]
+    shape = jax.numpy.broadcast_shapes(*(a.shape for a in args))
+    [out] = plt.elementwise_inline_asm(
+        asm, args=[jax.numpy.broadcast_to(a, shape) for a in args],
+        constraints="=f" + ",f" * len(args), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jax.numpy.float32)])
+    return out
+
+
+def sub_exact_rn(interpret: bool):
+    """c - a*b for an exact product a*b (``numerics.sub_exact_product``'s contract) as one
+    ``fma.rn.f32`` (of a, -b, c) when compiled for an NVIDIA GPU: the product is exact, so
+    the fused and the separate forms round once, identically; the FMA is one instruction
+    instead of two. None (the numerics default) in interpret mode and on ROCm."""
+    if interpret or _rocm():
+        return None
+    def sub(c, a, b):
+        neg_b = np.float32(-b) if np.ndim(b) == 0 and not isinstance(b, jax.Array) else -b   # constants negated here
+        return _asm_f32("fma.rn.f32 $0, $1, $2, $3;", a, neg_b, c)
+    return sub
+
+
 def mul_rn(interpret: bool):
     """The kernels' separately rounded f32 multiply (``numerics.mul_rounded``'s contract),
     as the ``mul`` that the numerics functions take; None (their default) in interpret
@@ -89,17 +120,7 @@ def mul_rn(interpret: bool):
     """
     if interpret or _rocm():
         return None
-
-    def mul(a, b):
-        a = jax.numpy.asarray(a, jax.numpy.float32)
-        b = jax.numpy.asarray(b, jax.numpy.float32)
-        shape = jax.numpy.broadcast_shapes(a.shape, b.shape)
-        [p] = plt.elementwise_inline_asm(
-            "mul.rn.f32 $0, $1, $2;", args=[jax.numpy.broadcast_to(a, shape), jax.numpy.broadcast_to(b, shape)],
-            constraints="=f,f,f", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jax.numpy.float32)])
-        return p
-
-    return mul
+    return lambda a, b: _asm_f32("mul.rn.f32 $0, $1, $2;", a, b)
 
 
 def _rocm() -> bool:

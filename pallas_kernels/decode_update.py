@@ -115,7 +115,7 @@ def _stash(cache_ref, s, blk, slot, key_row, gate_row, mask):
 def _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc, interpret):
     """Pool the R member rows (R x [128] bf16 each), rotate, quantise, store pool slot loc."""
     w32 = lax.broadcasted_iota(jnp.int32, (addr.KEY_WORDS,), 0)                     # [32]
-    q8, scale = nm.compress_pool(keys, gates, apes, B.table_lookup(tab_ref), B.mul_rn(interpret))   # [128] fp8, []
+    q8, scale = nm.compress_pool(keys, gates, apes, **B.kernel_numerics(tab_ref, interpret))   # [128] fp8, []
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w32)
     B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), w32 >= 0)
     rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))
