@@ -91,17 +91,17 @@ def unpack_bf16_words_stack(w):
     return jax.lax.bitcast_convert_type(h.astype(jnp.uint16).reshape(lead + (nm.HEAD_DIM,)), jnp.bfloat16)
 
 
-def _exp_no_table(d, lookup=None, mul=None, sub_exact=None):
+def _exp_no_table(d, lookup=None, mul=None):
     """exp_nonpositive_f32 with T[j] = 1 + j * 2**-7 computed, not looked up (timing probe:
     what the table's loads and their addresses cost)."""
     return nm._exp_clamped(jnp.maximum(d, -87.0), lambda j: 1.0 + j.astype(jnp.float32) * (1.0 / 128), mul,
-                           sub_exact, scale_by_bits=True)
+                           scale_by_bits=True)
 
 
-def _exp_nonpositive_s15(d, lookup=None, mul=None, sub_exact=None):
+def _exp_nonpositive_s15(d, lookup=None, mul=None):
     """exp_nonpositive_f32 as in session 15: 2**(k >> 6) built and multiplied in (the same
     bits; session 16 adds (k >> 6) << 23 to the bits of e instead)."""
-    return nm._exp_clamped(jnp.maximum(d, -87.0), lookup, mul, sub_exact)
+    return nm._exp_clamped(jnp.maximum(d, -87.0), lookup, mul)
 
 
 def _unguarded(zero, ring_keys, gate0):
@@ -114,7 +114,7 @@ def _plain_mac(c, a, b, mul=None):
     return c + a * b
 
 
-def _fast_exp(d, lookup=None, mul=None, sub_exact=None):
+def _fast_exp(d, lookup=None, mul=None):
     return jnp.exp(jnp.clip(d, -87.0, 88.0))
 
 
@@ -124,7 +124,7 @@ def _fast_recip(b, mul=None):
 
 def _without_mul(f, n, keep=()):
     """An older numerics form with n positional arguments (and the keywords in `keep`) in the
-    place of one that also takes ``mul`` / ``sub_exact`` (positional after them, or named)."""
+    place of one that also takes ``mul`` (positional after them, or named)."""
     return lambda *a, **kw: f(*a[:n], **{k: kw[k] for k in keep if k in kw})
 
 
@@ -132,7 +132,7 @@ def _no_hadamard(x):
     return x
 
 
-def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None, mul=None, sub_exact=None):
+def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None, mul=None):
     """compress_pool's shapes with none of its work: the newest member's key as the fp8
     row, its largest element as the scale (the kernel's loads and stores stay; a
     reduction, since the Pallas Triton lowering has no slice)."""
@@ -157,9 +157,7 @@ PROBES = {
     # session 15's forms of what session 16 changed (each the same bytes)
     "mul by rounded": {"_backend.mul_rn": lambda interpret: None},
     "exp power by multiply": {"exp_nonpositive_f32": _exp_nonpositive_s15},
-    "exact products unfused": {"_backend.sub_exact_rn": lambda interpret: None},
-    "session-15 numerics": {"_backend.mul_rn": lambda interpret: None, "_backend.sub_exact_rn": lambda interpret: None,
-                            "exp_nonpositive_f32": _exp_nonpositive_s15},
+    "session-15 numerics": {"_backend.mul_rn": lambda interpret: None, "exp_nonpositive_f32": _exp_nonpositive_s15},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_nonpositive_f32": _without_mul(session12_exp_f32, 2),
@@ -179,7 +177,7 @@ PROBES = {
 }
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
              "session-14 pooling", "ring keys unguarded", "all session-14", "stash last", "mul by rounded",
-             "exp power by multiply", "exact products unfused", "session-15 numerics")
+             "exp power by multiply", "session-15 numerics")
 
 
 _MODULES = {"pool_compress": pc, "decode_update": du, "_backend": pb}

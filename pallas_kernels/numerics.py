@@ -132,14 +132,6 @@ def mul_rounded(a, b):
     return rounded(a * b)
 
 
-def sub_exact_product(c, a, b):
-    """c - a*b for a product a*b that is EXACT in f32 (at most 24 significant bits), with
-    the subtraction's one rounding: whether a compiler fuses the two or not, the bits are
-    the same. The compiled kernels pass ``_backend.sub_exact_rn``, one fma.rn.f32 in place
-    of a multiply and a subtract (session 16)."""
-    return c - a * b
-
-
 def mac(c, a, b):
     """c + a*b from four exact partial products (12 x 12 bits each).
 
@@ -190,7 +182,7 @@ EXP_MAGIC_BITS = 0x4B400000
 assert np.float32(EXP_MAGIC).view(np.uint32) == EXP_MAGIC_BITS and EXP_MAGIC_BITS % EXP_TABLE_SIZE == 0
 
 
-def exp_f32(d, lookup=None, mul=None, sub_exact=None):
+def exp_f32(d, lookup=None, mul=None):
     """e**d for f32 d (clamped to [-87, 88]); about 1 ulp, identical bits on every backend.
 
     d = k ln2/64 + r with k = floor(d * 64 log2 e) and r in [0, ln2/64) from a
@@ -204,10 +196,10 @@ def exp_f32(d, lookup=None, mul=None, sub_exact=None):
     8 the table with exact 12 x 12-bit partial products (42 % fewer instructions); session
     13 this form (the same table and reduction, max error 1.10 ulp against 1.12).
     """
-    return _exp_clamped(jnp.clip(d, -87.0, 88.0), lookup, mul, sub_exact)
+    return _exp_clamped(jnp.clip(d, -87.0, 88.0), lookup, mul)
 
 
-def exp_nonpositive_f32(d, lookup=None, mul=None, sub_exact=None):
+def exp_nonpositive_f32(d, lookup=None, mul=None):
     """``exp_f32`` for d <= 0 (the pooling's d = s - max s), with its bits: the clamp
     is the lower bound alone (d > 88 cannot occur), and the power of two is applied to
     the bits (below). Domain: d <= 0 and not NaN (the pooling's d is finite for finite
@@ -221,10 +213,10 @@ def exp_nonpositive_f32(d, lookup=None, mul=None, sub_exact=None):
     2**32: 0x4B400000 << 17 wraps to 0). One integer add instead of building 2**(k >> 6)
     and multiplying (session 16; ``exp_f32`` keeps the multiply, whose overflow and
     underflow past this range it needs)."""
-    return _exp_clamped(jnp.maximum(d, -87.0), lookup, mul, sub_exact, scale_by_bits=True)
+    return _exp_clamped(jnp.maximum(d, -87.0), lookup, mul, scale_by_bits=True)
 
 
-def _exp_clamped(d, lookup=None, mul=None, sub_exact=None, scale_by_bits=False):
+def _exp_clamped(d, lookup=None, mul=None, scale_by_bits=False):
     """``exp_f32`` of d already in [-87, 88].
 
     k is read from the bits of kf + 1.5 * 2**23 (exact: |kf| <= 8125 < 2**22, and no
@@ -236,9 +228,8 @@ def _exp_clamped(d, lookup=None, mul=None, sub_exact=None, scale_by_bits=False):
     """
     lookup = exp_table_lookup if lookup is None else lookup
     mul = mul_rounded if mul is None else mul
-    sub = sub_exact_product if sub_exact is None else sub_exact
     kf = jnp.floor(d * EXP_SCALE)                          # |k| <= 8125
-    r = sub(sub(sub(d, kf, EXP_L1), kf, EXP_L2), kf, EXP_L3)   # [-tiny, ln2/64): exact products
+    r = ((d - kf * EXP_L1) - kf * EXP_L2) - kf * EXP_L3    # [-tiny, ln2/64): exact products
     kb = _u32(kf + EXP_MAGIC)                              # 0x4B400000 + k
     t = lookup((kb & np.uint32(EXP_TABLE_SIZE - 1)).astype(jnp.int32))   # T[k & 63] in [1, 2)
     q = r * (1.0 + mul(r, 0.5 + mul(r, EXP_C6)))          # e**r - 1
@@ -320,7 +311,7 @@ def mac_bf16(c, k, e, mul=None):
     return c + (mul_rounded if mul is None else mul)(k, e)
 
 
-def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, sub_exact=None):
+def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None):
     """Softmax-gated pooling of one pool (spec 2.2), then rotation + fp8.
 
     keys, gates: sequences of R arrays [..., 128] bf16 (slot j = pos % R order).
@@ -328,9 +319,8 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, sub_exact=No
     exp_lookup: the EXP_TABLE lookup of ``exp_f32`` (kernels pass a gather from
     their table input; default: an XLA gather of the constant).
     mul: the separately rounded multiply of every product that meets an add
-    (default ``mul_rounded``); sub_exact: c - a*b for the exp's exact products (default
-    ``sub_exact_product``). Compiled kernels pass PTX forms of both
-    (``_backend.kernel_numerics``), with the same bits.
+    (default ``mul_rounded``; compiled kernels pass ``_backend.mul_rn`` through
+    ``_backend.kernel_numerics``: the same bits).
     Two-pass softmax with explicit left-to-right sums, so every backend adds in the
     same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
 
@@ -345,7 +335,7 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, sub_exact=No
     for j in range(1, r):
         m = jnp.maximum(m, s[j])
     mul = mul_rounded if mul is None else mul
-    e = [exp_nonpositive_f32(s[j] - m, exp_lookup, mul, sub_exact) for j in range(r)]
+    e = [exp_nonpositive_f32(s[j] - m, exp_lookup, mul) for j in range(r)]
     den = e[0]
     acc = mul(keys[0].astype(jnp.float32), e[0])           # (0 + that until session 14: see below)
     for j in range(1, r):

@@ -224,25 +224,3 @@ def test_mul_rn_is_the_separately_rounded_product(rng):
     fused = (c.astype(np.float64) + a.astype(np.float64) * b).astype(np.float32)      # the product exact in f64
     assert int(np.sum(fused.view(np.uint32) != want.view(np.uint32))) > n // 4
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), want.view(np.uint32))
-
-
-def test_sub_exact_rn_is_the_subtraction_of_an_exact_product(rng):
-    """_backend.sub_exact_rn compiled (one fma.rn.f32): c - a*b for products a*b that are
-    exact in f32 (12-bit by 12-bit significands, as the exp's k * ln2/64 parts are) equals
-    numpy's separately rounded multiply and subtract, bit for bit."""
-    from pallas_kernels import _backend as B
-    n = 4096
-    a = (np.round(rng.uniform(-4096, 4096, n))).astype(np.float32)                  # 13-bit integers, like k
-    b = (np.round(rng.uniform(1024, 2048, n)) * np.exp2(rng.integers(-30, -10, n))).astype(np.float32)
-    c = (a.astype(np.float64) * b * rng.uniform(0.9, 1.1, n)).astype(np.float32)
-    assert np.array_equal(a.astype(np.float64) * b, (a * b).astype(np.float64))       # the products are exact
-    sub = B.sub_exact_rn(interpret=False)
-    assert sub is not None
-
-    def kernel(a_ref, b_ref, c_ref, o_ref):
-        o_ref[...] = sub(c_ref[...], a_ref[...], b_ref[...])
-
-    out = B.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
-                        input_output_aliases={}, interpret=False, name="sub_exact_check")(
-        jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
-    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), (c - a * b).view(np.uint32))

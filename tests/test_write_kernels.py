@@ -155,13 +155,12 @@ def test_decode_update_default_path_and_bad_path():
         du.decode_update(layout.allocate(0), layout.strides(0), row, row, jnp.zeros((4, 128)), z, z, z, path="fast")
 
 
-def test_compiled_write_kernels_multiply_by_ptx():
+def test_compiled_write_kernels_multiply_by_mul_rn():
     """Lowered for CUDA (here on the CPU, as benchmarks/offline_sass.py does), the
     compression and decode kernels round each of their 20 products that meet an add with
-    one inline ``mul.rn.f32`` (3 per exp x 4, the 4 pooled products, 4 Newton steps),
-    carry none of ``numerics.rounded``'s integer mins, and take the exps' 12 exact
-    reduction steps as one ``fma.rn.f32`` each; in interpret mode they use the numerics
-    defaults (the tests above). The GPU tests hold both to the reference."""
+    one inline ``mul.rn.f32`` (3 per exp x 4, the 4 pooled products, 4 Newton steps) and
+    carry none of ``numerics.rounded``'s integer mins; in interpret mode they use
+    ``numerics.mul_rounded`` (the tests above). The GPU tests hold both to the reference."""
     import pathlib
     import sys
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -171,7 +170,7 @@ def test_compiled_write_kernels_multiply_by_ptx():
     from pallas_kernels.pool_compress import compress_prefill
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
-    assert B.mul_rn(True) is None and B.sub_exact_rn(True) is None
+    assert B.mul_rn(True) is None
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
     s = layout.strides(0)
     t = 64
@@ -186,5 +185,5 @@ def test_compiled_write_kernels_multiply_by_ptx():
                         z, z, z)
     for name, _, _, ir in comp + dec:
         assert ir.count("mul.rn.f32") == 20, name
-        assert ir.count("fma.rn.f32") == 12, name
+        assert "fma.rn" not in ir, name
         assert "arith.minui" not in ir, name
