@@ -173,16 +173,17 @@ def test_compiled_write_kernels_multiply_by_mul_rn():
     assert B.mul_rn(True) is None
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
     s = layout.strides(0)
-    t = 64
-    row = jnp.zeros((t, 128), jnp.bfloat16)
+    n_tokens = 64
+    row = jnp.zeros((n_tokens, 128), jnp.bfloat16)
     ape = jnp.zeros((4, 128), jnp.float32)
-    sl = jnp.arange(t, dtype=jnp.int32)
+    sl = jnp.arange(n_tokens, dtype=jnp.int32)
     comp = osass.capture(lambda c, k, g, a, m: compress_prefill(c, s, k, g, a, m, interpret=False),
                          layout.allocate(0), row, row, ape, sl)
     z = jnp.zeros((2, 4), jnp.int32)
     rows = jnp.zeros((2, 4, 128), jnp.bfloat16)
     dec = osass.capture(lambda c, *a: decode_update(c, s, *a, interpret=False), layout.allocate(0), rows, rows, ape,
                         z, z, z)
+    assert [k[0] for k in comp + dec] == ["kpool_compress_prefill", "kpool_decode_update"]   # both captured
     for name, _, _, ir in comp + dec:
         assert ir.count("mul.rn.f32") == 20, name
         assert "fma.rn" not in ir, name
