@@ -77,24 +77,41 @@ def table_lookup(ref):
 
 def kernel_numerics(tab_ref, interpret: bool) -> dict:
     """The keyword arguments a kernel body gives ``numerics.compress_pool``: its exp table
-    lookup and, compiled, the PTX multiply (``mul_rn``).
+    lookup and, compiled for an NVIDIA GPU, one PTX instruction for each of the multiply
+    (``mul_rn``), the bf16 rounding (``bf16_round_rn``) and the Hadamard's -0 -> +0
+    (``plus_zero_rn``), and the fp8 conversion's own saturation in place of the clip
+    (session 17). Interpret mode and ROCm get the numerics' defaults.
 
     Tried and not kept (session 16, run 2): the exp's exact reduction steps d - k * (part of
     ln2/64) as one fma.rn.f32 each (the same bits, 12 fewer instructions per pooled
     element): 2-3 % faster compression at 128k tokens, 3 % slower at 32k, 0.12 us slower
-    decode at B = 256, next_n 4."""
-    return dict(exp_lookup=table_lookup(tab_ref), mul=mul_rn(interpret))
+    decode at B = 256, next_n 4. Session 17 (runs 1-4): a 256-entry exp table with a
+    two-part reduction (its second product through ``mul_rn``) and a quadratic, four
+    instructions fewer per exp and other bits (the vLLM vectors still byte-exact): 5 %
+    faster compression at 128k tokens, 1 % slower at 32k, 0.13-0.16 us slower decode at
+    next_n 4 (the reduction's rounded product; with the 64-entry table and cubic kept, the
+    same), so not kept (docs/results/2026-12-01_s17_exp256.patch)."""
+    return dict(exp_lookup=table_lookup(tab_ref), mul=mul_rn(interpret), bf16_round=bf16_round_rn(interpret),
+                zero_plus=plus_zero_rn(interpret), fp8_saturates=_ptx(interpret))
 
 
-def _asm_f32(asm: str, *args):
-    """One f32 PTX instruction applied elementwise to f32 operands (broadcast to one shape)."""
-    args = [jax.numpy.asarray(a, jax.numpy.float32) for a in args]
-    shape = jax.numpy.broadcast_shapes(*(a.shape for a in args))
+def _ptx(interpret: bool) -> bool:
+    """Whether the kernels are compiled for an NVIDIA GPU (PTX inline assembly; the fp8
+    conversion is cvt.rn.satfinite)."""
+    return not interpret and not _rocm()
+
+
+def _asm_f32(asm: str, *args, out_bits: bool = False):
+    """PTX applied elementwise to f32 operands (broadcast to one shape): an f32 result, or
+    with ``out_bits`` a 32-bit integer register read back as the f32 of those bits."""
+    jnp = jax.numpy
+    args = [jnp.asarray(a, jnp.float32) for a in args]
+    shape = jnp.broadcast_shapes(*(a.shape for a in args))
     [out] = plt.elementwise_inline_asm(
-        asm, args=[jax.numpy.broadcast_to(a, shape) for a in args],
-        constraints="=f" + ",f" * len(args), pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jax.numpy.float32)])
-    return out
+        asm, args=[jnp.broadcast_to(a, shape) for a in args],
+        constraints=("=r" if out_bits else "=f") + ",f" * len(args), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.int32 if out_bits else jnp.float32)])
+    return jax.lax.bitcast_convert_type(out, jnp.float32) if out_bits else out
 
 
 def mul_rn(interpret: bool):
@@ -109,9 +126,35 @@ def mul_rn(interpret: bool):
     product: the same bits for every product that is not a NaN (the GPU write tests hold
     the kernels to the XLA reference byte for byte).
     """
-    if interpret or _rocm():
+    if not _ptx(interpret):
         return None
     return lambda a, b: _asm_f32("mul.rn.f32 $0, $1, $2;", a, b)
+
+
+def bf16_round_rn(interpret: bool):
+    """The kernels' ``numerics.round_bf16`` (nearest bf16, ties to even, as f32), or None
+    (its integer form) in interpret mode and on ROCm.
+
+    Compiled for an NVIDIA GPU it is one ``cvt.rn.bf16x2.f32`` that packs the rounded
+    value into the high half of a register and +0 into the low half: that register is the
+    f32 of the rounded value: one instruction for the integer form's four, with the same
+    bits for every input that is not a NaN (finite, infinite, subnormal; tests/test_gpu.py).
+    A NaN input may come out as another NaN pattern.
+    """
+    if not _ptx(interpret):
+        return None
+    return lambda x: _asm_f32("{ .reg .f32 z; mov.f32 z, 0f00000000; cvt.rn.bf16x2.f32 $0, $1, z; }", x,
+                              out_bits=True)
+
+
+def plus_zero_rn(interpret: bool):
+    """The kernels' ``numerics.positive_zero`` (-0 -> +0, all else unchanged), or None in
+    interpret mode and on ROCm: compiled for an NVIDIA GPU, one ``add.rn.f32 x, +0`` (IEEE:
+    -0 + +0 = +0, x + +0 = x otherwise; inline assembly, so nothing folds it away) in
+    place of a compare and a select."""
+    if not _ptx(interpret):
+        return None
+    return lambda x: _asm_f32("add.rn.f32 $0, $1, 0f00000000;", x)
 
 
 def _rocm() -> bool:

@@ -28,7 +28,15 @@ def _iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def hadamard128(x):
+def positive_zero(x):
+    """x with -0 made +0 (an integer select, which no compiler folds away as it may fold
+    ``x + 0.0``); every other value keeps its bits. Compiled kernels pass
+    ``_backend.plus_zero_rn`` (one ``add.rn.f32 x, 0``) in its place: the same bits."""
+    u = _u32(x)
+    return _f32(jnp.where(u == np.uint32(0x80000000), np.uint32(0), u))
+
+
+def hadamard128(x, zero_plus=None):
     """Unnormalised Walsh-Hadamard transform over the last axis (size 128), f32.
 
     The spec's in-place butterfly (2.1): the stage with stride s = 1, 2, ..., 64 pairs
@@ -38,12 +46,12 @@ def hadamard128(x):
     place (``lax.stack``: a join), so the bits are the butterfly's: one fp32 add or
     subtract of the same operands per output.
 
-    -0 inputs become +0 first (an integer select, which no compiler folds away as it
-    may fold ``x + 0.0``): the form used until session 13 summed each pair with an XLA
-    reduction that starts from +0 and so never gave -0, and this keeps its bits for
-    every normal input and signed zero (not for subnormals on XLA's CPU backend, which
-    flushes them to zero with their sign). After that no stage can make a -0 (a + b
-    and a - b are -0 only for -0 operands), so XLA and Triton agree on signed zeros.
+    -0 inputs become +0 first (``zero_plus``, default ``positive_zero``): the form used
+    until session 13 summed each pair with an XLA reduction that starts from +0 and so
+    never gave -0, and this keeps its bits for every normal input and signed zero (not
+    for subnormals on XLA's CPU backend, which flushes them to zero with their sign).
+    After that no stage can make a -0 (a + b and a - b are -0 only for -0 operands),
+    so XLA and Triton agree on signed zeros.
 
     History: until session 13 each stage moved the pairs into a new order
     (constant geometry: a masked product with +-1 and a 2-element sum); this form is
@@ -51,8 +59,7 @@ def hadamard128(x):
     with the same bits (session 14, benchmarks/probe_compress.py).
     """
     lead = x.shape[:-1]
-    u = _u32(x)
-    x = _f32(jnp.where(u == np.uint32(0x80000000), np.uint32(0), u))   # -0 -> +0
+    x = (positive_zero if zero_plus is None else zero_plus)(x)              # -0 -> +0
     s = 1
     while s < HEAD_DIM:
         v = jnp.swapaxes(x.reshape(lead + (HEAD_DIM // (2 * s), 2, s)), -1, -2)   # [..., G, s, 2]
@@ -285,22 +292,30 @@ def pow2_scale(amax):
     return scale, inv_scale
 
 
-def quant_fp8(y):
+def quant_fp8(y, saturates=False):
     """Per-row power-of-two scaled e4m3 quantisation of f32 y[..., 128].
 
     Returns (q8 [..., 128] float8_e4m3fn, scale [...] f32). Clips to +-448 before
-    the cast so Triton (saturating) and XLA (NaN on overflow) agree.
+    the cast so Triton (saturating) and XLA (NaN on overflow) agree. ``saturates``: the
+    caller's conversion saturates at +-448 itself (the compiled kernels' cvt.rn.satfinite,
+    ``_backend.kernel_numerics``), so the clip is left out: the same bytes for every
+    non-NaN y. No finite value scales past +-448 (test_numerics checks every amax of a
+    binade; the clip is for rows holding an infinity, which scale to +-inf, and both ways
+    give +-448 there).
     """
     amax = jnp.max(jnp.abs(y), axis=-1)
     scale, inv_scale = pow2_scale(amax)
-    q = jnp.clip(y * inv_scale[..., None], -FP8_MAX, FP8_MAX)
+    q = y * inv_scale[..., None]
+    if not saturates:
+        q = jnp.clip(q, -FP8_MAX, FP8_MAX)
     return lax.bitcast_convert_type(e4m3_bits(q), FP8), scale
 
 
-def rotate_quant(x):
-    """bf16-rounded f32 x[..., 128] -> Hadamard/sqrt(128) -> bf16 round -> fp8 + scale."""
-    y = round_bf16(hadamard128(x) * INV_SQRT_128)
-    return quant_fp8(y)
+def rotate_quant(x, bf16_round=None, zero_plus=None, fp8_saturates=False):
+    """bf16-rounded f32 x[..., 128] -> Hadamard/sqrt(128) -> bf16 round -> fp8 + scale.
+    The keywords are ``compress_pool``'s (kernel forms of the same operations)."""
+    y = (round_bf16 if bf16_round is None else bf16_round)(hadamard128(x, zero_plus) * INV_SQRT_128)
+    return quant_fp8(y, fp8_saturates)
 
 
 def mac_bf16(c, k, e, mul=None):
@@ -311,7 +326,8 @@ def mac_bf16(c, k, e, mul=None):
     return c + (mul_rounded if mul is None else mul)(k, e)
 
 
-def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None):
+def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=None, zero_plus=None,
+                  fp8_saturates=False):
     """Softmax-gated pooling of one pool (spec 2.2), then rotation + fp8.
 
     keys, gates: sequences of R arrays [..., 128] bf16 (slot j = pos % R order).
@@ -321,6 +337,10 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None):
     mul: the separately rounded multiply of every product that meets an add
     (default ``mul_rounded``; compiled kernels pass ``_backend.mul_rn`` through
     ``_backend.kernel_numerics``: the same bits).
+    bf16_round, zero_plus, fp8_saturates: the kernels' forms of ``round_bf16``, of the
+    Hadamard's -0 -> +0 (``positive_zero``) and of the clip before the fp8 conversion
+    (``quant_fp8``); compiled kernels pass one PTX instruction each for the first two
+    and leave the clip to the saturating conversion (session 17; the same bytes).
     Two-pass softmax with explicit left-to-right sums, so every backend adds in the
     same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
 
@@ -341,8 +361,8 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None):
     for j in range(1, r):
         den = den + e[j]
         acc = mac_bf16(acc, keys[j].astype(jnp.float32), e[j], mul)
-    x = round_bf16(acc * recip_f32(den, mul))
-    return rotate_quant(x)
+    x = (round_bf16 if bf16_round is None else bf16_round)(acc * recip_f32(den, mul))
+    return rotate_quant(x, bf16_round, zero_plus, fp8_saturates)
 
 
 def fwht_quant_rows(q):

@@ -224,3 +224,84 @@ def test_mul_rn_is_the_separately_rounded_product(rng):
     fused = (c.astype(np.float64) + a.astype(np.float64) * b).astype(np.float32)      # the product exact in f64
     assert int(np.sum(fused.view(np.uint32) != want.view(np.uint32))) > n // 4
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), want.view(np.uint32))
+
+
+def _every_class_f32(rng, n):
+    """f32 bit patterns of every class but NaN: random bits over all exponents (subnormals
+    included), bf16 rounding ties and near-ties, the overflow edge, +-0, +-inf."""
+    u = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    u = u[(u & 0x7F800000) != 0x7F800000]                                        # no inf / NaN here
+    hi = u & np.uint32(0xFFFF0000)
+    ties = np.concatenate([hi | 0x8000, hi | 0x7FFF, hi | 0x8001, (hi | 0x8000) ^ 0x10000])
+    ties = ties[(ties & 0x7F800000) != 0x7F800000]
+    edge = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000,
+                     0x7F7F7FFF, 0x00000001, 0x80000001, 0x00008000, 0x80018000, 0x007FFFFF], np.uint32)
+    return np.concatenate([edge, ties, u]).view(np.float32)
+
+
+def _run_elementwise(f, *xs):
+    from pallas_kernels import _backend as B
+    n = xs[0].size
+
+    def kernel(*refs):
+        refs[-1][...] = f(*(r[...] for r in refs[:-1]))
+    return np.asarray(B.pallas_call(kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
+                                    input_output_aliases={}, interpret=False, name="elementwise_check")(
+        *(jnp.asarray(x) for x in xs)))
+
+
+def test_bf16_round_rn_and_plus_zero_rn_keep_the_numerics_bits(rng):
+    """_backend.bf16_round_rn and plus_zero_rn compiled (one PTX instruction each) give the
+    bits of numerics.round_bf16 and numerics.positive_zero (XLA, integer forms) for every
+    non-NaN f32: subnormals, ties, values that round to +-inf, signed zeros."""
+    from pallas_kernels import _backend as B
+    from pallas_kernels import numerics as nm
+    x = _every_class_f32(rng, 1 << 16)[: 1 << 18]                                 # a power of two (Triton)
+    assert x.size == 1 << 18
+    rnd, pz = B.bf16_round_rn(interpret=False), B.plus_zero_rn(interpret=False)
+    assert rnd is not None and pz is not None
+    want = np.asarray(jax.jit(nm.round_bf16)(jnp.asarray(x)))
+    got = _run_elementwise(rnd, x)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.isinf(want).sum() >= 4 and np.any(want.view(np.uint32) == 0x80000000)   # the edges are in
+    want0 = np.asarray(jax.jit(nm.positive_zero)(jnp.asarray(x)))
+    got0 = _run_elementwise(pz, x)
+    np.testing.assert_array_equal(got0.view(np.uint32), want0.view(np.uint32))
+    assert np.any(x.view(np.uint32) == 0x80000000) and not np.any(got0.view(np.uint32) == 0x80000000)
+
+
+def test_compiled_fp8_conversion_saturates_like_the_clip(rng):
+    """quant_fp8 with saturates=True (no clip: the compiled kernels' form) gives, compiled,
+    the bytes and scales of the clipped form (and of XLA's), also where scaled values pass
+    +-448: the conversion is cvt.rn.satfinite. Finite rows never scale past 448
+    (test_numerics); rows holding +-inf scale to +-inf and must give +-448 (0x7E / 0xFE).
+    Rows whose largest value is 448 * 2**k or one ulp away probe the edge."""
+    from jax import lax
+    from pallas_kernels import _backend as B
+    from pallas_kernels import numerics as nm
+    m = 256
+    y = (rng.standard_normal((m, 128)) * np.exp2(rng.uniform(-20, 20, (m, 1)))).astype(np.float32)
+    top = (np.exp2(rng.integers(-10, 10, m)) * 448).astype(np.float32)
+    top = np.where(rng.random(m) < 0.5, top, np.nextafter(top, np.float32(np.inf)))
+    y[np.arange(m), rng.integers(0, 128, m)] = top * rng.choice(np.array([-1, 1], np.float32), m)
+    y[:4, 7] = [np.inf, -np.inf, np.inf, -np.inf]
+
+    def run(saturates):
+        def kernel(y_ref, q_ref, s_ref):
+            q8, scale = nm.quant_fp8(y_ref[...], saturates=saturates)          # [m, 128], [m]
+            q_ref[...] = lax.bitcast_convert_type(q8, jnp.uint8).astype(jnp.int32)
+            s_ref[...] = scale
+        q, sc = B.pallas_call(kernel, grid=(1,), out_shape=(jax.ShapeDtypeStruct((m, 128), jnp.int32),
+                                                            jax.ShapeDtypeStruct((m,), jnp.float32)),
+                              input_output_aliases={}, interpret=False, name="fp8_saturation_check")(jnp.asarray(y))
+        return np.asarray(q), np.asarray(sc)
+    q_sat, s_sat = run(True)
+    q_clip, s_clip = run(False)
+    np.testing.assert_array_equal(q_sat, q_clip)
+    np.testing.assert_array_equal(s_sat.view(np.uint32), s_clip.view(np.uint32))
+    q8_xla, s_xla = jax.jit(nm.quant_fp8)(jnp.asarray(y[4:]))                 # XLA: rows without inf
+    np.testing.assert_array_equal(q_sat[4:], np.asarray(q8_xla).view(np.uint8).astype(np.int32))
+    np.testing.assert_array_equal(s_sat[4:].view(np.uint32), np.asarray(s_xla).view(np.uint32))
+    # the edges are in the draw: finite rows reach exactly +-448, the inf rows saturate
+    assert np.any(np.abs(y[4:].astype(np.float64) / s_sat[4:, None]) == 448)
+    assert np.all(np.isin(q_sat[:4, 7], [0x7E, 0xFE]))

@@ -168,10 +168,23 @@ def test_pow2_scale_exact_powers(rng):
     v = np.maximum(amax, F32(1e-4)).astype(F32) * F32(1.0 / 448.0)
     v = v.astype(np.float64)
     assert np.all(v <= scale) and np.all(scale < 2 * v)
-    # every value quantises into [-448, 448] (up to the one-ulp slack of fl(1/448); the clip covers it)
+    # every value quantises into [-448, 448] (test below: for every f32 amax, not only these)
     q = amax.astype(np.float64) * inv
-    assert np.all(q <= 448 * (1 + 2.0**-22))
+    assert np.all(q <= 448)
     assert np.all(q[amax >= 1e-4] > 224 * (1 - 2.0**-22))
+
+
+def test_no_finite_value_scales_past_448():
+    """amax * inv_scale <= 448 for EVERY f32 amax of the binade [448, 896) (and so of every
+    normal binade: the scale comes from the exponent bits and fl(1/448) scales exactly by
+    2**k), although fl(1/448) > 1/448 by less than an ulp: the quantisation's clip to
+    +-448 never changes a finite value, so kernels whose fp8 conversion saturates may
+    leave it out (numerics.quant_fp8's ``saturates``)."""
+    u = np.arange(np.float32(448).view(np.uint32), np.float32(896).view(np.uint32), dtype=np.uint32)
+    amax = np.concatenate([u.view(F32), (u.view(F32) * F32(2.0**-12)), (u.view(F32) * F32(2.0**100))])
+    scale, inv = jax.jit(nm.pow2_scale)(jnp.asarray(amax))
+    q = amax.astype(np.float64) * np.asarray(inv).astype(np.float64)
+    assert q.max() == 448.0 and np.all(q > 224)
 
 
 def test_pow2_scale_floor_for_small_inputs():
@@ -484,6 +497,36 @@ def test_compress_pool_takes_its_multiply_as_mul(rng):
     off = [np.asarray(a) for a in nm.compress_pool(keys, gates, apes,
                                                    mul=lambda a, b: nm.mul_rounded(a, b) + F32(2.0 ** -6))]
     assert not np.array_equal(base[0].view(np.uint8), off[0].view(np.uint8))
+
+
+def test_compress_pool_kernel_forms_are_used_and_keep_the_bytes(rng):
+    """compress_pool's kernel hooks (session 17): the bf16 rounding runs twice per pool and
+    the -0 fix once, through the forms given (a rounding that truncates instead changes
+    the bytes, so neither is bypassed), and leaving the clip to the conversion
+    (fp8_saturates) keeps every byte on XLA too, since no finite value scales past 448.
+    The compiled PTX forms are held to the same bytes by tests/test_gpu.py."""
+    keys = [jnp.asarray(_random_f32(rng, 8 * 128, -3, 3).reshape(8, 128)).astype(jnp.bfloat16) for _ in range(4)]
+    gates = [jnp.asarray(rng.normal(0, 2, (8, 128)).astype(F32)).astype(jnp.bfloat16) for _ in range(4)]
+    apes = [jnp.asarray(rng.normal(0, 1, 128).astype(F32)) for _ in range(4)]
+    keys[0] = keys[0].at[0].set(-0.0)                                   # a row whose pooled x has -0s
+    base = [np.asarray(a) for a in nm.compress_pool(keys, gates, apes)]
+    calls = {"round": 0, "zero": 0}
+
+    def rnd(x):
+        calls["round"] += 1
+        return nm.round_bf16(x)
+
+    def zero(x):
+        calls["zero"] += 1
+        return nm.positive_zero(x)
+    same = [np.asarray(a) for a in nm.compress_pool(keys, gates, apes, bf16_round=rnd, zero_plus=zero,
+                                                    fp8_saturates=True)]
+    assert calls == {"round": 2, "zero": 1}
+    np.testing.assert_array_equal(base[0].view(np.uint8), same[0].view(np.uint8))
+    np.testing.assert_array_equal(_bits(base[1]), _bits(same[1]))
+    trunc = lambda x: nm._f32(nm._u32(x) & np.uint32(0xFFFF0000))                 # noqa: E731
+    off = np.asarray(nm.compress_pool(keys, gates, apes, bf16_round=trunc)[0])
+    assert not np.array_equal(base[0].view(np.uint8), off.view(np.uint8))
 
 
 def test_compress_pool_keeps_session14_bytes_with_signed_zero_keys(rng):

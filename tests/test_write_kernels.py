@@ -155,12 +155,14 @@ def test_decode_update_default_path_and_bad_path():
         du.decode_update(layout.allocate(0), layout.strides(0), row, row, jnp.zeros((4, 128)), z, z, z, path="fast")
 
 
-def test_compiled_write_kernels_multiply_by_mul_rn():
+def test_compiled_write_kernels_use_the_ptx_forms():
     """Lowered for CUDA (here on the CPU, as benchmarks/offline_sass.py does), the
     compression and decode kernels round each of their 20 products that meet an add with
     one inline ``mul.rn.f32`` (3 per exp x 4, the 4 pooled products, 4 Newton steps) and
-    carry none of ``numerics.rounded``'s integer mins; in interpret mode they use
-    ``numerics.mul_rounded`` (the tests above). The GPU tests hold both to the reference."""
+    carry none of ``numerics.rounded``'s integer mins; they round to bf16 twice with
+    ``cvt.rn.bf16x2.f32``, turn -0 into +0 once with ``add.rn.f32`` and leave the clip
+    before the fp8 conversion out (no 448 in their IR). In interpret mode they use the
+    numerics' defaults (the tests above). The GPU tests hold both to the reference."""
     import pathlib
     import sys
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -170,7 +172,7 @@ def test_compiled_write_kernels_multiply_by_mul_rn():
     from pallas_kernels.pool_compress import compress_prefill
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
-    assert B.mul_rn(True) is None
+    assert B.mul_rn(True) is None and B.bf16_round_rn(True) is None and B.plus_zero_rn(True) is None
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
     s = layout.strides(0)
     n_tokens = 64
@@ -186,5 +188,7 @@ def test_compiled_write_kernels_multiply_by_mul_rn():
     assert [k[0] for k in comp + dec] == ["kpool_compress_prefill", "kpool_decode_update"]   # both captured
     for name, _, _, ir in comp + dec:
         assert ir.count("mul.rn.f32") == 20, name
+        assert ir.count("cvt.rn.bf16x2.f32") == 2 and ir.count("add.rn.f32") == 1, name
         assert "fma.rn" not in ir, name
         assert "arith.minui" not in ir, name
+        assert "4.480000e+02" not in ir, name                        # the clip's constant is gone
