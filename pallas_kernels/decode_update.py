@@ -128,7 +128,9 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
     # ape_ref: [R, 128] f32; tab_ref: [1, 64] f32 (numerics.EXP_TABLE); cache_ref: [rows, 1024] u32
     r = s.kpool
     b = B.program_id(0)
-    apes, zero = _load_apes(ape_ref, tab_ref, r)                                    # R x [128] f32, [128] u32
+    in_branch = _apes_in_branch(n, pos_ref.shape[0])
+    if not in_branch:
+        apes_zero = _load_apes(ape_ref, tab_ref, r)                                 # R x [128] f32, [128] u32
 
     # 1. every token's inputs, loaded together (n x scalars, n x [128] bf16 rows)
     pos = [jnp.maximum(pos_ref[b, t], -1) for t in range(n)]                        # -1: padding
@@ -147,6 +149,7 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
 
         @B.when(complete)
         def _complete():
+            apes, zero = _load_apes(ape_ref, tab_ref, r) if in_branch else apes_zero
             keys, gates, ring_keys = [], [], []
             for j in range(r - 1):
                 slot = (p_t - (r - 1) + j) % s.ring
@@ -182,6 +185,23 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
         lax.fori_loop(0, n, token, 0)
         B.barrier(interpret)
         stash_all()
+
+
+APES_IN_BRANCH_MIN_REQUESTS = 64
+
+
+def _apes_in_branch(tokens_per_request: int, requests: int) -> bool:
+    """Whether the forward program loads the ape rows and the exp table inside its
+    completion branch (only the programs that complete a pool load them) instead of at
+    its start beside the token rows (every program): for one token per request in
+    batches of at least APES_IN_BRANCH_MIN_REQUESTS. There a quarter of the programs (at
+    kpool 4) complete a pool, and the others no longer compete with them for the same
+    2.3 KiB of L2 lines. H200, session 17 (device spans, the same bytes; runs 2-3, under
+    that session's trial exp): at next_n 1 B = 64 / 132 / 256 1.82 / 1.90 / 2.02 us
+    against 1.89 / 2.00 / 2.08 at the start, but B = 1 1.73 against 1.66 (the loads move
+    onto the completion's chain), and at next_n 4, where every program completes, 0.13-0.25
+    us slower at every B."""
+    return tokens_per_request == 1 and requests >= APES_IN_BRANCH_MIN_REQUESTS
 
 
 def _stash_first(tokens_per_request: int) -> bool:

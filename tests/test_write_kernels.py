@@ -111,18 +111,24 @@ def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
     return [jnp.asarray(x) for x in (key, gate)], [jnp.asarray(x, jnp.int32) for x in (slot, tslot, pos)]
 
 
-@pytest.mark.parametrize("path", ["forward", "walk"])
+@pytest.mark.parametrize("path", ["forward", "walk", "forward-apes-in-branch"])
 @pytest.mark.parametrize("kpool, spec", [(4, 0), (4, 3), (16, 0)], ids=["R4-ring4", "R4-ring8", "R16-ring16"])
-def test_decode_update_follows_the_walk_on_odd_batches(rng, kpool, spec, path):
+def test_decode_update_follows_the_walk_on_odd_batches(rng, kpool, spec, path, monkeypatch):
     """Both programs of the decode update (pallas_kernels/decode_update.py; "forward"
     takes stashes of earlier tokens of the launch from registers instead of re-reading
     the ring) must give the reference's literal token-by-token walk whatever the batch.
     The ring starts with random finite bf16 rows, so a member read from the wrong place
-    shows. kpool 16 keeps to 2 tokens: the forwarding code grows with tokens x members."""
+    shows. kpool 16 keeps to 2 tokens: the forwarding code grows with tokens x members.
+    "forward-apes-in-branch": the forward program with its ape rows and exp table loaded
+    in the completion branch (the default for one token in large batches only)."""
     from glm5_jax import reference as ref
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
+    from pallas_kernels import decode_update as du
     from pallas_kernels.decode_update import decode_update as kernel
+    if path == "forward-apes-in-branch":
+        monkeypatch.setattr(du, "_apes_in_branch", lambda n, requests: True)
+        path = "forward"
     config = IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=512 if kpool == 4 else 1536)
     layout = CacheLayout(config, num_layers=1, num_blocks=12)
     s = layout.strides(0)
@@ -146,6 +152,8 @@ def test_decode_update_default_path_and_bad_path():
     from pallas_kernels import decode_update as du
     assert du.default_path(4, 4) == "forward" and du.default_path(10, 4) == "forward"
     assert du.default_path(11, 4) == "walk" and du.default_path(32, 16) == "walk"
+    assert du._apes_in_branch(1, 64) and du._apes_in_branch(1, 256)
+    assert not du._apes_in_branch(1, 63) and not du._apes_in_branch(4, 256)
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=2)
