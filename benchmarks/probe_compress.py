@@ -104,6 +104,12 @@ def _exp_nonpositive_s15(d, lookup=None, mul=None):
     return nm._exp_clamped(jnp.maximum(d, -87.0), lookup, mul)
 
 
+def _kernel_numerics_s16(tab_ref, interpret):
+    """_backend.kernel_numerics as in session 16: the table lookup and mul_rn only (the
+    integer bf16 rounding, the -0 select and the clip: the same bytes)."""
+    return dict(exp_lookup=pb.table_lookup(tab_ref), mul=pb.mul_rn(interpret))
+
+
 def _unguarded(zero, ring_keys, gate0):
     """decode_update._keys_before_exps before session 15: no dependency, so the compiler
     may issue the ring key loads after the exps."""
@@ -132,7 +138,7 @@ def _no_hadamard(x):
     return x
 
 
-def _no_pool_arithmetic(keys, gates, ape_rows, exp_lookup=None, mul=None):
+def _no_pool_arithmetic(keys, gates, ape_rows, **kernel_numerics):
     """compress_pool's shapes with none of its work: the newest member's key as the fp8
     row, its largest element as the scale (the kernel's loads and stores stay; a
     reduction, since the Pallas Triton lowering has no slice)."""
@@ -152,12 +158,16 @@ PROBES = {
     "session-14 pooling": {"compress_pool": _without_mul(session14_compress_pool, 3, keep=("exp_lookup",))},
     "ring keys unguarded": {"decode_update._keys_before_exps": _unguarded},
     "stash last": {"decode_update._stash_first": lambda n: False},
+    "apes in branch": {"decode_update._apes_in_branch": lambda n, b: True},
+    "apes at start": {"decode_update._apes_in_branch": lambda n, b: False},
     "all session-14": {"compress_pool": _without_mul(session14_compress_pool, 3, keep=("exp_lookup",)),
                        "decode_update._keys_before_exps": _unguarded},
     # session 15's forms of what session 16 changed (each the same bytes)
     "mul by rounded": {"_backend.mul_rn": lambda interpret: None},
     "exp power by multiply": {"exp_nonpositive_f32": _exp_nonpositive_s15},
     "session-15 numerics": {"_backend.mul_rn": lambda interpret: None, "exp_nonpositive_f32": _exp_nonpositive_s15},
+    # session 16's forms of session 17's kernel-only operations (the same bytes)
+    "session-16 kernel ops": {"_backend.kernel_numerics": _kernel_numerics_s16},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_nonpositive_f32": _without_mul(session12_exp_f32, 2),
@@ -177,7 +187,8 @@ PROBES = {
 }
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
              "session-14 pooling", "ring keys unguarded", "all session-14", "stash last", "mul by rounded",
-             "exp power by multiply", "session-15 numerics")
+             "exp power by multiply", "session-15 numerics", "session-16 kernel ops", "apes in branch",
+             "apes at start")
 
 
 _MODULES = {"pool_compress": pc, "decode_update": du, "_backend": pb}
