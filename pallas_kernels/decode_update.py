@@ -196,11 +196,11 @@ def _apes_in_branch(tokens_per_request: int, requests: int) -> bool:
     its start beside the token rows (every program): for one token per request in
     batches of at least APES_IN_BRANCH_MIN_REQUESTS. There a quarter of the programs (at
     kpool 4) complete a pool, and the others no longer compete with them for the same
-    2.3 KiB of L2 lines. H200, session 17 (device spans, the same bytes; runs 2-3, under
-    that session's trial exp): at next_n 1 B = 64 / 132 / 256 1.82 / 1.90 / 2.02 us
-    against 1.89 / 2.00 / 2.08 at the start, but B = 1 1.73 against 1.66 (the loads move
-    onto the completion's chain), and at next_n 4, where every program completes, 0.13-0.25
-    us slower at every B."""
+    2.3 KiB of L2 lines. H200, session 17 (device spans, the same bytes): at next_n 1
+    B = 64 / 256 1.82 / 2.02 us against 1.92 / 2.18 at the start (run 5), and B = 132
+    1.90 against 2.00 (run 2, under that session's trial exp), but B = 1 1.73 against 1.66
+    (the loads move onto the completion's chain), and at next_n 4, where every program
+    completes, 0.13-0.25 us slower at every B (runs 2-3)."""
     return tokens_per_request == 1 and requests >= APES_IN_BRANCH_MIN_REQUESTS
 
 
