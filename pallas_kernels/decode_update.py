@@ -123,12 +123,12 @@ def _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc, interpret):
 
 
 def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
-                    s: CacheStrides, n: int, interpret: bool):
+                    s: CacheStrides, n: int, interpret: bool, apes_in_branch: bool):
     # pos_ref, slot_ref, tslot_ref: [B, n] i32; key_ref, gate_ref: [B, n, 128] bf16;
     # ape_ref: [R, 128] f32; tab_ref: [1, 64] f32 (numerics.EXP_TABLE); cache_ref: [rows, 1024] u32
     r = s.kpool
     b = B.program_id(0)
-    in_branch = _apes_in_branch(n, pos_ref.shape[0])
+    in_branch = apes_in_branch                                                      # _apes_in_branch
     if not in_branch:
         apes_zero = _load_apes(ape_ref, tab_ref, r)                                 # R x [128] f32, [128] u32
 
@@ -260,14 +260,16 @@ def default_num_warps(tokens_per_request: int) -> int:
     return NUM_WARPS_WINDOW if tokens_per_request > 1 else NUM_WARPS_ONE_TOKEN
 
 
-@functools.partial(jax.jit, static_argnames=("s", "interpret", "num_warps", "path"))
+@functools.partial(jax.jit, static_argnames=("s", "interpret", "num_warps", "path", "apes_in_branch"))
 def decode_update(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, positions, *,
-                  interpret=None, num_warps: int | None = None, path: str | None = None):
+                  interpret=None, num_warps: int | None = None, path: str | None = None,
+                  apes_in_branch: bool | None = None):
     """cache: [total_words] u32; key, gate: [B, n, 128] bf16; ape [R, 128] f32;
     slot_mapping, tslot, positions: [B, n] i32. Returns the new cache.
     num_warps: launch shape (None: ``default_num_warps(n)``; ``benchmarks/trace_writes.py
     --decode-variants``); path: "forward" or "walk" (the module docstring; None:
-    ``default_path(n, kpool)``), the same bytes either way."""
+    ``default_path(n, kpool)``); apes_in_branch: where "forward" loads the ape rows and
+    the exp table (None: ``_apes_in_branch(n, B)``); the same bytes whatever the choice."""
     b, n = positions.shape
     if b == 0 or n == 0:
         return cache
@@ -275,11 +277,15 @@ def decode_update(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, p
     num_warps = default_num_warps(n) if num_warps is None else num_warps
     if path not in PATHS:
         raise ValueError(f"decode_update: path must be one of {PATHS}, got {path!r}")
-    kernel = _forward_kernel if path == "forward" else _walk_kernel
-    view = cache.reshape(addr.view_shape(s))
     interpret = B.resolve_interpret(interpret)
+    if path == "forward":
+        in_branch = _apes_in_branch(n, b) if apes_in_branch is None else bool(apes_in_branch)
+        kernel = functools.partial(_forward_kernel, s=s, n=n, interpret=interpret, apes_in_branch=in_branch)
+    else:
+        kernel = functools.partial(_walk_kernel, s=s, n=n, interpret=interpret)
+    view = cache.reshape(addr.view_shape(s))
     out = B.pallas_call(
-        functools.partial(kernel, s=s, n=n, interpret=interpret),
+        kernel,
         grid=(b,),
         out_shape=jax.ShapeDtypeStruct(view.shape, view.dtype),
         input_output_aliases={7: 0},

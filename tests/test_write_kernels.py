@@ -4,6 +4,7 @@ On CPU the kernels run in interpret mode; on a GPU backend they run compiled
 (the same tests; ``python -m pytest tests -m "not slow"`` on the H200). The cases
 and the run are shared with test_triton.py (tests/write_cases.py).
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -111,24 +112,40 @@ def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
     return [jnp.asarray(x) for x in (key, gate)], [jnp.asarray(x, jnp.int32) for x in (slot, tslot, pos)]
 
 
-@pytest.mark.parametrize("path", ["forward", "walk", "forward-apes-in-branch"])
+@pytest.mark.parametrize("path", ["forward", "walk"])
 @pytest.mark.parametrize("kpool, spec", [(4, 0), (4, 3), (16, 0)], ids=["R4-ring4", "R4-ring8", "R16-ring16"])
-def test_decode_update_follows_the_walk_on_odd_batches(rng, kpool, spec, path, monkeypatch):
+def test_decode_update_follows_the_walk_on_odd_batches(rng, kpool, spec, path):
     """Both programs of the decode update (pallas_kernels/decode_update.py; "forward"
     takes stashes of earlier tokens of the launch from registers instead of re-reading
     the ring) must give the reference's literal token-by-token walk whatever the batch.
     The ring starts with random finite bf16 rows, so a member read from the wrong place
-    shows. kpool 16 keeps to 2 tokens: the forwarding code grows with tokens x members.
-    "forward-apes-in-branch": the forward program with its ape rows and exp table loaded
-    in the completion branch (the default for one token in large batches only)."""
+    shows. kpool 16 keeps to 2 tokens: the forwarding code grows with tokens x members."""
+    _check_odd_batches(rng, kpool, spec, path=path)
+
+
+def test_decode_update_apes_in_branch_follows_the_walk(rng):
+    """The forward program with its ape rows and exp table loaded in the completion
+    branch (the default for one token per request in large batches only) gives the walk's
+    bytes too, for one and six tokens per request (a static launch argument, so the
+    compiled kernels of the two forms never share a cache entry)."""
+    _check_odd_batches(rng, 4, 0, path="forward", apes_in_branch=True)
+    # the flag reaches the kernel: the two forms lower to different programs
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    from pallas_kernels.decode_update import decode_update as kernel
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=4)
+    z, row = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1, 128), jnp.bfloat16)
+    text = [jax.jit(lambda c, flag=flag: kernel(c, layout.strides(0), row, row, jnp.zeros((4, 128)), z, z, z,
+                                                apes_in_branch=flag)).lower(layout.allocate(0)).as_text()
+            for flag in (False, True)]
+    assert text[0] != text[1]
+
+
+def _check_odd_batches(rng, kpool, spec, **kernel_kw):
     from glm5_jax import reference as ref
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
-    from pallas_kernels import decode_update as du
     from pallas_kernels.decode_update import decode_update as kernel
-    if path == "forward-apes-in-branch":
-        monkeypatch.setattr(du, "_apes_in_branch", lambda n, requests: True)
-        path = "forward"
     config = IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=512 if kpool == 4 else 1536)
     layout = CacheLayout(config, num_layers=1, num_blocks=12)
     s = layout.strides(0)
@@ -140,9 +157,9 @@ def test_decode_update_follows_the_walk_on_odd_batches(rng, kpool, spec, path, m
     for n in ((1, 6) if kpool == 4 else (1, 2)):
         (key, gate), (slot, tslot, pos) = _odd_decode_batch(rng, layout, n)
         want = as_bytes(ref.decode_update_strides(start, s, key, gate, ape, slot, tslot, pos))
-        got = as_bytes(kernel(start, s, key, gate, ape, slot, tslot, pos, path=path))
+        got = as_bytes(kernel(start, s, key, gate, ape, slot, tslot, pos, **kernel_kw))
         diff = np.nonzero(got != want)[0]
-        assert diff.size == 0, f"{path}, n={n}: {diff.size} bytes differ from the walk, first at byte {diff[0]}"
+        assert diff.size == 0, f"{kernel_kw}, n={n}: {diff.size} bytes differ from the walk, first at byte {diff[0]}"
         p, sl = np.asarray(pos), np.asarray(slot)
         completions += int(((p >= 0) & (p % kpool == kpool - 1) & (sl >= 0) & (sl < s.num_pool_slots)).sum())
     assert completions > 0, "the batches must complete pools"
