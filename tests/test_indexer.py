@@ -145,17 +145,26 @@ def test_invariant_linear_is_batch_invariant_and_accurate(rng):
 
 
 @pytest.mark.parametrize("op", ["linear", "linear_f32", "sum_sq_last"])
-def test_ordered_chain_unroll_changes_no_bit(rng, monkeypatch, op):
+def test_ordered_chain_unroll_changes_no_bit(rng, monkeypatch, request, op):
     """The unroll of the ordered contractions is a launch-cost knob only: every
-    unroll, including none and all, gives the same bits."""
+    unroll, including none and all, gives the same bits. UNROLL is read when the
+    function is traced, and jax's trace cache does not see a patched module global:
+    the caches are cleared for each unroll (until session 17 they were not, and all
+    five runs reused the first one's program), and the programs must differ."""
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the XLA chain ("auto" is the kernel on a GPU)
+    request.addfinalizer(jax.clear_caches)                 # (runs before monkeypatch restores UNROLL)
     x, w = bf16(rng, (9, 70)), bf16(rng, (70, 12), 0.1)
     args = {"linear": (x, w), "linear_f32": (x.astype(np.float32) * 1.37, w.astype(np.float32)),
             "sum_sq_last": (x.astype(np.float32) * 1.37,)}[op]
-    outs = []
+    args = tuple(map(jnp.asarray, args))
+    outs, programs = [], set()
     for unroll in (1, 3, 8, 64, 70):
         monkeypatch.setattr(inv, "UNROLL", unroll)
-        outs.append(np.asarray(jax.jit(getattr(inv, op))(*map(jnp.asarray, args))))
+        jax.clear_caches()
+        f = jax.jit(getattr(inv, op))
+        programs.add(f.lower(*args).as_text())
+        outs.append(np.asarray(f(*args)))
+    assert len(programs) == 5, "the unroll did not reach the traced program"
     for o in outs[1:]:
         np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
 
