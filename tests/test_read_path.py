@@ -736,10 +736,13 @@ def test_paged_topk_exact_ties(rng, splits):
     assert (row[: int(ctx[0, 0])] == row[want[0, -1]]).sum() > 1
 
 
-def test_long_prefill_runs_in_row_chunks(rng, monkeypatch):
+def test_long_prefill_runs_in_row_chunks(rng, monkeypatch, request):
     """Long prefills walk the query rows in chunks (fused: MAX_ROWS_PER_CALL rows per
-    call; XLA/unfused: a logits budget); chunking must not change the selection."""
+    call; XLA/unfused: a logits budget); chunking must not change the selection. Both
+    limits are read when a function is traced and jax's trace cache does not see a
+    patched module global, so the caches are cleared after each patch (and at the end)."""
     import pallas_kernels.paged_topk as pt
+    request.addfinalizer(jax.clear_caches)
     layout = CacheLayout(IndexerConfig(block_size=1152, topk=32), num_layers=1, num_blocks=3)
     cache = random_cache(rng, layout)
     s = layout.strides(0)
@@ -755,11 +758,13 @@ def test_long_prefill_runs_in_row_chunks(rng, monkeypatch):
 
     whole = select_xla()
     monkeypatch.setattr(pt, "MAX_ROWS_PER_CALL", 16)                   # 3 calls of 16 rows
+    jax.clear_caches()
     got = np.asarray(pt.paged_topk(cache, s, q8, wf, table, ctx, k)).reshape(n, k)
     logits = ref_logits(cache, s, q8, wf, table, ctx).reshape(n, -1)
     assert_selection(got, np.asarray(ref_topk(logits, ctx.reshape(-1), k)), logits,
                      np.asarray(ctx).reshape(-1), k)
     monkeypatch.setattr(ref, "LOGITS_BUDGET_BYTES", 5 * 32 * 96 * 4)   # 5 query rows per chunk
+    jax.clear_caches()
     assert ref.query_row_chunk(n, 32, 96) == 5
     chunked = select_xla()
     if jax.default_backend() == "cpu":                     # XLA's CPU dot: the same bits for any row count
