@@ -128,8 +128,7 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
     # ape_ref: [R, 128] f32; tab_ref: [1, 64] f32 (numerics.EXP_TABLE); cache_ref: [rows, 1024] u32
     r = s.kpool
     b = B.program_id(0)
-    in_branch = apes_in_branch                                                      # _apes_in_branch
-    if not in_branch:
+    if not apes_in_branch:                                                          # _apes_in_branch
         apes_zero = _load_apes(ape_ref, tab_ref, r)                                 # R x [128] f32, [128] u32
 
     # 1. every token's inputs, loaded together (n x scalars, n x [128] bf16 rows)
@@ -149,7 +148,7 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
 
         @B.when(complete)
         def _complete():
-            apes, zero = _load_apes(ape_ref, tab_ref, r) if in_branch else apes_zero
+            apes, zero = _load_apes(ape_ref, tab_ref, r) if apes_in_branch else apes_zero
             keys, gates, ring_keys = [], [], []
             for j in range(r - 1):
                 slot = (p_t - (r - 1) + j) % s.ring
