@@ -326,8 +326,46 @@ def mac_bf16(c, k, e, mul=None):
     return c + (mul_rounded if mul is None else mul)(k, e)
 
 
+def softmax_weights(s, exp):
+    """The pooling's weights e_j = exp(s_j - max s) (spec 2.2) for the R scores s (arrays of
+    one shape): the max taken left to right, then one ``exp`` per score. The reference's form."""
+    m = s[0]
+    for j in range(1, len(s)):
+        m = jnp.maximum(m, s[j])
+    return [exp(sj - m) for sj in s]
+
+
+def softmax_weights_knockout(s, exp):
+    """``softmax_weights`` with one exp fewer at R = 4 (kpool 4; any other R: that form), the
+    same bits wherever the scores are finite. The compiled kernels' form (session 18).
+
+    A knockout of the four scores: s0 meets s1 and s2 meets s3, then the two winners meet.
+    The final's winner is the max m, and its weight is exp(m - m) = exp(0), exactly 1 (the
+    exp gives 1 for d = +0 and -0 alike). Every other score loses exactly one match, and
+    its weight is the exp of the loser's score minus m: three exps, for the losers of the
+    three matches, and six selects put each weight back in its score's place. Same values
+    as the left-to-right max (a max of finite values has one value whatever the order; a
+    -0 or +0 winner only changes the sign of a zero d, and the exp is 1 for both), so the
+    same bits; ties give each tied score the same weight either way. A NaN or an infinite
+    score is outside the exp's domain in both forms (unspecified weights).
+    """
+    if len(s) != 4:
+        return softmax_weights(s, exp)
+    c01, c23 = s[0] >= s[1], s[2] >= s[3]                 # s0 wins its match, s2 wins its
+    w01, w23 = jnp.maximum(s[0], s[1]), jnp.maximum(s[2], s[3])
+    cm = w01 >= w23                                         # the 0-1 winner wins the final
+    m = jnp.maximum(w01, w23)
+    e01 = exp(jnp.minimum(s[0], s[1]) - m)                  # the three losers' weights
+    e23 = exp(jnp.minimum(s[2], s[3]) - m)
+    efin = exp(jnp.minimum(w01, w23) - m)
+    x01 = jnp.where(cm, 1.0, efin)                          # weight of the 0-1 match's winner
+    x23 = jnp.where(cm, efin, 1.0)
+    return [jnp.where(c01, x01, e01), jnp.where(c01, e01, x01),
+            jnp.where(c23, x23, e23), jnp.where(c23, e23, x23)]
+
+
 def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=None, zero_plus=None,
-                  fp8_saturates=False):
+                  fp8_saturates=False, weights=None):
     """Softmax-gated pooling of one pool (spec 2.2), then rotation + fp8.
 
     keys, gates: sequences of R arrays [..., 128] bf16 (slot j = pos % R order).
@@ -341,6 +379,8 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
     Hadamard's -0 -> +0 (``positive_zero``) and of the clip before the fp8 conversion
     (``quant_fp8``); compiled kernels pass one PTX instruction each for the first two
     and leave the clip to the saturating conversion (session 17; the same bytes).
+    weights: the softmax weights' form (default ``softmax_weights``; the kernels pass
+    ``softmax_weights_knockout``, one exp fewer, the same bits for finite scores).
     Two-pass softmax with explicit left-to-right sums, so every backend adds in the
     same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
 
@@ -351,11 +391,8 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
     """
     r = len(keys)
     s = [gates[j].astype(jnp.float32) + ape_rows[j] for j in range(r)]
-    m = s[0]
-    for j in range(1, r):
-        m = jnp.maximum(m, s[j])
     mul = mul_rounded if mul is None else mul
-    e = [exp_nonpositive_f32(s[j] - m, exp_lookup, mul) for j in range(r)]
+    e = (softmax_weights if weights is None else weights)(s, lambda d: exp_nonpositive_f32(d, exp_lookup, mul))
     den = e[0]
     acc = mul(keys[0].astype(jnp.float32), e[0])           # (0 + that until session 14: see below)
     for j in range(1, r):
@@ -371,20 +408,29 @@ def fwht_quant_rows(q):
 
 
 # ---- byte packing into 32-bit little-endian words -------------------------------
-def pack_fp8_words(q8):
-    """[..., 128] float8_e4m3fn -> [..., 32] uint32 (byte 4w+i at bits 8i)."""
+def pack_fp8_words(q8, keep_parts=False):
+    """[..., 128] float8_e4m3fn -> [..., 32] uint32 (byte 4w+i at bits 8i).
+
+    keep_parts: [..., 32, 4] instead, each word repeated along the axis of its 4 bytes:
+    the packing sum broadcast back to its operands' shape (in a kernel, their layout), so
+    a store of the lanes at byte 0 needs no move into a [..., 32] layout."""
     lead = q8.shape[:-1]
     b = lax.bitcast_convert_type(q8, jnp.uint8).astype(jnp.uint32).reshape(lead + (32, 4))
     shift = (_iota(lead + (32, 4), len(lead) + 1) * 8).astype(jnp.uint32)
-    return jnp.sum(b << shift, axis=-1).astype(jnp.uint32)
+    return _words(jnp.sum(b << shift, axis=-1).astype(jnp.uint32), keep_parts, 4)
 
 
-def pack_bf16_words(x):
-    """[..., 128] bfloat16 -> [..., 64] uint32 (element 2w in the low half)."""
+def pack_bf16_words(x, keep_parts=False):
+    """[..., 128] bfloat16 -> [..., 64] uint32 (element 2w in the low half); keep_parts:
+    [..., 64, 2], each word repeated along the axis of its two halves (``pack_fp8_words``)."""
     lead = x.shape[:-1]
     h = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32).reshape(lead + (64, 2))
     shift = (_iota(lead + (64, 2), len(lead) + 1) * 16).astype(jnp.uint32)
-    return jnp.sum(h << shift, axis=-1).astype(jnp.uint32)
+    return _words(jnp.sum(h << shift, axis=-1).astype(jnp.uint32), keep_parts, 2)
+
+
+def _words(w, keep_parts, parts):
+    return jnp.broadcast_to(w[..., None], w.shape + (parts,)) if keep_parts else w
 
 
 def unpack_bf16_words(w):
