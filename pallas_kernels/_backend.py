@@ -90,7 +90,11 @@ def kernel_numerics(tab_ref, interpret: bool) -> dict:
     instructions fewer per exp and other bits (the vLLM vectors still byte-exact): 5 %
     faster compression at 128k tokens, 1 % slower at 32k, 0.13-0.16 us slower decode at
     next_n 4 (the reduction's rounded product; with the 64-entry table and cubic kept, the
-    same), so not kept (docs/results/2026-12-01_s17_exp256.patch)."""
+    same), so not kept (docs/results/2026-12-01_s17_exp256.patch). Session 18 (run 1): the
+    pooling's weights by a knockout (``numerics.softmax_weights_knockout``: three exps for
+    four scores and six selects, the same bits) made compression 2 % slower at 32k tokens
+    and 4 % at 128k, and the decode update 0.12-0.19 us slower at next_n 4, so only the
+    decode update at next_n 1 takes it (``decode_update._knockout_weights``)."""
     return dict(exp_lookup=table_lookup(tab_ref), mul=mul_rn(interpret), bf16_round=bf16_round_rn(interpret),
                 zero_plus=plus_zero_rn(interpret), fp8_saturates=_ptx(interpret))
 

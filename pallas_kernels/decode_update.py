@@ -104,20 +104,38 @@ def _ring_row(cache_ref, s, blk, slot, half, mask=True):                        
     return nm.unpack_bf16_words(B.gather(cache_ref, rr, cc, mask=mask & (w64 >= 0)))
 
 
-def _stash(cache_ref, s, blk, slot, key_row, gate_row, mask):
-    """Ring row `slot` of tail block `blk` = the token's key and gate, where mask."""
-    w64 = lax.broadcasted_iota(jnp.int32, (addr.TAIL_ROW_WORDS,), 0)
+def _word_index(words: int, parts: int, keep_parts: bool):
+    """The word index of a row of `words` packed words: [words], or with keep_parts
+    [words, parts] (``numerics``' ``pack_*_words(..., keep_parts=True)`` shape)."""
+    return lax.broadcasted_iota(jnp.int32, (words, parts) if keep_parts else (words,), 0)
+
+
+def _storing_lanes(w, keep_parts: bool):
+    """The lanes of word index `w` that store: all of a [words] index, those of part 0 of
+    a [words, parts] one (every part holds the whole word)."""
+    return (lax.broadcasted_iota(jnp.int32, w.shape, 1) == 0) if keep_parts else (w >= 0)
+
+
+def _stash(cache_ref, s, blk, slot, key_row, gate_row, mask, keep_parts=False):
+    """Ring row `slot` of tail block `blk` = the token's key and gate, where mask.
+    keep_parts: store from the packing's own shape (``_stores_keep_parts``)."""
+    w = _word_index(addr.TAIL_ROW_WORDS, 2, keep_parts)                             # [64] or [64, 2]
     for half, row in ((0, key_row), (1, gate_row)):
-        rr, cc = addr.split_word(s, addr.tail_row_words(s, blk, slot, half) + w64)
-        B.scatter(cache_ref, rr, cc, nm.pack_bf16_words(row), mask & (w64 >= 0))
+        rr, cc = addr.split_word(s, addr.tail_row_words(s, blk, slot, half) + w)
+        B.scatter(cache_ref, rr, cc, nm.pack_bf16_words(row, keep_parts), mask & _storing_lanes(w, keep_parts))
 
 
-def _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc, interpret):
-    """Pool the R member rows (R x [128] bf16 each), rotate, quantise, store pool slot loc."""
-    w32 = lax.broadcasted_iota(jnp.int32, (addr.KEY_WORDS,), 0)                     # [32]
-    q8, scale = nm.compress_pool(keys, gates, apes, **B.kernel_numerics(tab_ref, interpret))   # [128] fp8, []
-    rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w32)
-    B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), w32 >= 0)
+def _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc, interpret, knockout=False, keep_parts=False):
+    """Pool the R member rows (R x [128] bf16 each), rotate, quantise, store pool slot loc.
+    knockout: the softmax weights by ``numerics.softmax_weights_knockout`` (``_knockout_weights``);
+    keep_parts: store the key words from the packing's own shape (``_stores_keep_parts``)."""
+    w = _word_index(addr.KEY_WORDS, 4, keep_parts)                                  # [32] or [32, 4]
+    numerics = B.kernel_numerics(tab_ref, interpret)
+    if knockout:
+        numerics["weights"] = nm.softmax_weights_knockout
+    q8, scale = nm.compress_pool(keys, gates, apes, **numerics)                     # [128] fp8, []
+    rk, ck = addr.split_word(s, addr.pool_key_words(s, loc) + w)
+    B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8, keep_parts), _storing_lanes(w, keep_parts))
     rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))
     cache_ref[rs, cs] = nm.f32_word(scale)
 
@@ -165,7 +183,8 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
             gates.append(_pick(gates_in, t))
             if ring_keys:
                 gates[0] = _keys_before_exps(zero, ring_keys, gates[0])
-            _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc_t, interpret)
+            _write_pool(cache_ref, tab_ref, s, apes, keys, gates, loc_t, interpret, _knockout_weights(n),
+                        _stores_keep_parts(n))
 
         return carry
 
@@ -175,7 +194,7 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
             write = stashes[t]
             for u in range(t + 1, n):           # unless a later token of the launch stashes into the same row
                 write = write & ~(stashes[u] & (blk[u] == blk[t]) & (ring_slot[u] == ring_slot[t]))
-            _stash(cache_ref, s, blk[t], ring_slot[t], keys_in[t], gates_in[t], write)
+            _stash(cache_ref, s, blk[t], ring_slot[t], keys_in[t], gates_in[t], write, _stores_keep_parts(n))
 
     if _stash_first(n):
         stash_all()
@@ -201,6 +220,27 @@ def _apes_in_branch(tokens_per_request: int, requests: int) -> bool:
     (the loads move onto the completion's chain), and at next_n 4, where every program
     completes, 0.13-0.25 us slower at every B (runs 2-3)."""
     return tokens_per_request == 1 and requests >= APES_IN_BRANCH_MIN_REQUESTS
+
+
+def _knockout_weights(tokens_per_request: int) -> bool:
+    """Whether the forward program takes the pooling's weights by a knockout (three exps
+    for kpool 4's four scores and six selects, ``numerics.softmax_weights_knockout``; the
+    same bytes): for one token per request. H200, session 18 (device spans, run 1): at
+    next_n 1, B = 256 1.98 us against 2.02-2.05 with four exps (B = 1 level); at next_n 4,
+    where every program completes a pool and the selects' chain weighs more, 2.62-2.66
+    against 2.46-2.50 (B = 1 2.05 against 1.86), as compression, 2-4 % slower with it."""
+    return tokens_per_request == 1
+
+
+def _stores_keep_parts(tokens_per_request: int) -> bool:
+    """Whether the forward program stores its packed words (the pool's 32 key words, the
+    stash's 2 x 64 ring words) from the packing sum's own shape, each word repeated along
+    its bytes' axis and stored by the lanes of byte 0, instead of moving the [32] / [64]
+    words into a layout of their own first (``numerics.pack_fp8_words(..., keep_parts=True)``;
+    the same bytes): for one token per request. H200, session 18 (device spans, run 2):
+    at next_n 1, B = 256 1.92 us for each of the two stores so formed against 1.95-1.98,
+    B = 1 1.63 against 1.66; at next_n 4 0.13-0.26 us slower (each store, B = 256 and 1)."""
+    return tokens_per_request == 1
 
 
 def _stash_first(tokens_per_request: int) -> bool:

@@ -84,7 +84,12 @@ def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref,
     # avoids that but measured 2-5 % slower, session 15 run 3)
     apes = [ape_ref[j, :] for j in range(r)]
     q8, scale = nm.compress_pool(keys, gates, apes, **B.kernel_numerics(tab_ref, interpret))   # [TILE,128], [TILE]
-    w = lax.broadcasted_iota(jnp.int32, (tile_pools, addr.KEY_WORDS), 1)            # [TILE, 32]
+    _store_pools(cache_ref, s, loc, valid, q8, scale)
+
+
+def _store_pools(cache_ref, s, loc, valid, q8, scale):
+    """Pool slots loc [TILE] (where valid) = the fp8 rows q8 [TILE, 128] and scales [TILE]."""
+    w = lax.broadcasted_iota(jnp.int32, q8.shape[:1] + (addr.KEY_WORDS,), 1)          # [TILE, 32]
     rk, ck = addr.split_word(s, addr.pool_key_words(s, loc)[:, None] + w)
     B.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8), valid[:, None] & (w >= 0))
     rs, cs = addr.split_word(s, addr.pool_scale_words(s, loc))

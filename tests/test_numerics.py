@@ -529,6 +529,68 @@ def test_compress_pool_kernel_forms_are_used_and_keep_the_bytes(rng):
     assert not np.array_equal(base[0].view(np.uint8), off.view(np.uint8))
 
 
+def _knockout_scores(rng, n):
+    """[4, n] f32 scores for the softmax weights: spread values, every tie pattern of
+    small integers (with +0 / -0 mixed), pairs one ulp apart, far-apart scores (weights
+    down to the exp's clamp) and -inf beside finite scores."""
+    s = np.stack([_random_f32(rng, n, -20, 8) for _ in range(4)])
+    k = n // 6
+    s[:, k:2 * k] = rng.integers(-2, 2, (4, k)).astype(F32)                    # ties, zeros
+    s[:, k:2 * k] *= rng.choice(np.array([1.0, -1.0], F32), (4, k))            # -0 where 0
+    base = _random_f32(rng, k, -6, 6)
+    s[:, 2 * k:3 * k] = np.stack([np.nextafter(base, F32(rng.choice([-1, 1]) * np.inf)) for _ in range(4)])
+    s[:, 3 * k:4 * k] = rng.uniform(-300, 300, (4, k)).astype(F32)              # d < -87 often
+    s[rng.integers(0, 4, k), np.arange(4 * k, 5 * k)] = -np.inf
+    return s
+
+
+def test_knockout_weights_are_the_chain_weights(rng):
+    """softmax_weights_knockout (three exps for four scores, session 18) gives every
+    weight the bits of softmax_weights (the reference's left-to-right max, four exps) for
+    finite scores and -inf beside them: spread values, all tie patterns with signed zeros,
+    neighbours one ulp apart, weights at the exp's clamp. It runs three exps, and a wrong
+    placement of the weight 1 (the max's) is caught: a form that gives it to score 0
+    always differs."""
+    s = jnp.asarray(_knockout_scores(rng, 60_000))
+    calls = []
+
+    def exp(d):
+        calls.append(d.shape)
+        return nm.exp_nonpositive_f32(d)
+    want = nm.softmax_weights(list(s), nm.exp_nonpositive_f32)
+    got = nm.softmax_weights_knockout(list(s), exp)
+    assert len(calls) == 3
+    for j in range(4):
+        np.testing.assert_array_equal(_bits(got[j]), _bits(want[j]), err_msg=f"weight {j}")
+    assert any(np.any(np.asarray(w) == 1.0) for w in want[1:])                # maxima sit in every slot
+    wrong = [jnp.ones_like(got[0])] + got[1:]
+    assert not np.array_equal(_bits(wrong[0]), _bits(want[0]))
+    jitted = jax.jit(lambda x: nm.softmax_weights_knockout(list(x), nm.exp_nonpositive_f32))(s)
+    for j in range(4):
+        np.testing.assert_array_equal(_bits(jitted[j]), _bits(want[j]), err_msg=f"jit weight {j}")
+    two = [s[0], s[1], s[2]]                                                   # other R: the chain form
+    for a, b in zip(nm.softmax_weights_knockout(two, nm.exp_nonpositive_f32),
+                    nm.softmax_weights(two, nm.exp_nonpositive_f32)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_compress_pool_with_knockout_weights_keeps_the_bytes(rng):
+    """compress_pool with the kernels' weights form gives the reference's bytes and scales
+    for random pools, pools with tied gates and pools with far-apart gates."""
+    n = 2048
+    keys = [jnp.asarray(_random_f32(rng, n * 128, -3, 3).reshape(n, 128)).astype(jnp.bfloat16) for _ in range(4)]
+    g = rng.normal(0, 2, (4, n, 128)).astype(F32)
+    g[:, : n // 4] = rng.integers(-1, 2, (4, n // 4, 128))                   # ties, +-0
+    g[:, n // 4: n // 2] *= 40                                                 # weights near 0
+    gates = [jnp.asarray(g[j]).astype(jnp.bfloat16) for j in range(4)]
+    apes = [jnp.asarray(rng.normal(0, 1, 128).astype(F32) * (j % 2)) for j in range(4)]   # two zero rows
+    base = [np.asarray(a) for a in nm.compress_pool(keys, gates, apes)]
+    knock = [np.asarray(a) for a in jax.jit(lambda k, g, a: nm.compress_pool(
+        k, g, a, weights=nm.softmax_weights_knockout))(keys, gates, apes)]
+    np.testing.assert_array_equal(base[0].view(np.uint8), knock[0].view(np.uint8))
+    np.testing.assert_array_equal(_bits(base[1]), _bits(knock[1]))
+
+
 def test_compress_pool_keeps_session14_bytes_with_signed_zero_keys(rng):
     """compress_pool's sum starts from k_0 e_0 (no 0 +) since session 15: the same fp8
     bytes and scales as sessions 13-14's form, for random pools and for pools whose keys
@@ -799,3 +861,22 @@ def test_saved_triton_fma_pools_root_cause():
         # the same pooling with the contracted reciprocal
         q8c, _ = nm.rotate_quant(_s3_softmax_pool(k, g, ape, _newton_recip_contracted))
         np.testing.assert_array_equal(np.asarray(q8c).view(np.uint8), d[f"triton_fma{j}"], err_msg=f"pool {j}")
+
+
+def test_word_packing_keeps_byte_order_and_its_parts_form(rng):
+    """pack_fp8_words / pack_bf16_words put element i of a row at byte i of the row's
+    little-endian words (the cache's byte layout), and their keep_parts form (the decode
+    update's stores at one token per request, session 18) repeats each of those words along
+    the axis of its parts: every part holds the whole word."""
+    raw = rng.integers(0, 256, (3, 5, 256), dtype=np.uint8)
+    q8 = jnp.asarray(raw[..., :128].copy().view(ml_dtypes.float8_e4m3fn))
+    x = jnp.asarray(raw.copy().view(ml_dtypes.bfloat16))                            # [3, 5, 128]
+    for pack, v, words, parts, want in ((nm.pack_fp8_words, q8, 32, 4, raw[..., :128]),
+                                        (nm.pack_bf16_words, x, 64, 2, raw)):
+        w = np.asarray(pack(v))
+        assert w.shape == (3, 5, words) and w.dtype == np.uint32
+        np.testing.assert_array_equal(w.astype("<u4").view(np.uint8), want)
+        kept = np.asarray(pack(v, keep_parts=True))
+        assert kept.shape == (3, 5, words, parts)
+        for p in range(parts):
+            np.testing.assert_array_equal(kept[..., p], w)
