@@ -38,6 +38,7 @@ from glm5_jax import ops
 from glm5_jax.testing import (session7_exp_f32, session12_e4m3_bits, session12_exp_f32, session12_mac_bf16,
                               session12_recip_f32, session13_hadamard128, session14_compress_pool)
 from pallas_kernels import _backend as pb
+from pallas_kernels import addressing as pa
 from pallas_kernels import decode_update as du
 from pallas_kernels import numerics as nm
 from pallas_kernels import pool_compress as pc
@@ -110,6 +111,36 @@ def _kernel_numerics_s16(tab_ref, interpret):
     return dict(exp_lookup=pb.table_lookup(tab_ref), mul=pb.mul_rn(interpret))
 
 
+_KERNEL_NUMERICS = pb.kernel_numerics
+
+
+def _kernel_numerics_knockout(tab_ref, interpret):
+    """_backend.kernel_numerics with the pooling's weights by the knockout (three exps;
+    the same bytes): what session 18 run 1 timed in compression."""
+    return dict(_KERNEL_NUMERICS(tab_ref, interpret), weights=nm.softmax_weights_knockout)
+
+
+def _store_pools_in_parent(cache_ref, s, loc, valid, q8, scale):
+    """pool_compress._store_pools storing each key word from the packing sum's shape, as the
+    decode update does at next_n 1 (decode_update._stores_keep_parts; the same bytes)."""
+    shape = q8.shape[:1] + (32, 4)
+    w, j = (jax.lax.broadcasted_iota(jnp.int32, shape, d) for d in (1, 2))              # [TILE, 32, 4]
+    rk, ck = pa.split_word(s, pa.pool_key_words(s, loc)[:, None, None] + w)
+    pb.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8, keep_parts=True), valid[:, None, None] & (j == 0))
+    rs, cs = pa.split_word(s, pa.pool_scale_words(s, loc))
+    pb.scatter(cache_ref, rs, cs, nm.f32_word(scale), valid)
+
+
+def _ring_row_by_element(cache_ref, s, blk, slot, half, mask=True):
+    """decode_update._ring_row gathering at the row's [128] element indices (each word read
+    by both of its bf16 elements, then shifted) instead of [64] words unpacked by a reshape."""
+    col = jax.lax.broadcasted_iota(jnp.int32, (nm.HEAD_DIM,), 0)                     # [128]
+    rr, cc = pa.split_word(s, pa.tail_row_words(s, blk, slot, half) + col // 2)
+    w = pb.gather(cache_ref, rr, cc, mask=mask & (col >= 0))
+    h = (w >> ((col % 2) * 16).astype(jnp.uint32)) & jnp.uint32(0xFFFF)
+    return jax.lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.bfloat16)
+
+
 def _unguarded(zero, ring_keys, gate0):
     """decode_update._keys_before_exps before session 15: no dependency, so the compiler
     may issue the ring key loads after the exps."""
@@ -168,6 +199,16 @@ PROBES = {
     "session-15 numerics": {"_backend.mul_rn": lambda interpret: None, "exp_nonpositive_f32": _exp_nonpositive_s15},
     # session 16's forms of session 17's kernel-only operations (the same bytes)
     "session-16 kernel ops": {"_backend.kernel_numerics": _kernel_numerics_s16},
+    # session 18: the pooling's weights by a knockout (three exps; the same bytes), the decode
+    # update's rule (knockout at next_n 1) either way, the key words stored from the packing's layout
+    "knockout": {"_backend.kernel_numerics": _kernel_numerics_knockout,
+                 "decode_update._knockout_weights": lambda n: True},
+    "four exps": {"decode_update._knockout_weights": lambda n: False},
+    "words in parent": {"pool_compress._store_pools": _store_pools_in_parent},
+    "stores by words": {"decode_update._stores_keep_parts": lambda n: False},
+    "session-17 decode": {"decode_update._stores_keep_parts": lambda n: False,
+                          "decode_update._knockout_weights": lambda n: False},
+    "ring by element": {"decode_update._ring_row": _ring_row_by_element},
     # timing probes (bytes differ by design)
     # same-run baseline: sessions 8-12's exact-product numerics and integer e4m3 code
     "session-12 numerics": {"exp_nonpositive_f32": _without_mul(session12_exp_f32, 2),
@@ -188,7 +229,8 @@ PROBES = {
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
              "session-14 pooling", "ring keys unguarded", "all session-14", "stash last", "mul by rounded",
              "exp power by multiply", "session-15 numerics", "session-16 kernel ops", "apes in branch",
-             "apes at start")
+             "apes at start", "knockout", "four exps", "words in parent",
+             "stores by words", "session-17 decode", "ring by element")
 
 
 _MODULES = {"pool_compress": pc, "decode_update": du, "_backend": pb}
