@@ -16,7 +16,8 @@ request use the same compiled kernel. Two programs give those bytes:
 
 "forward" (verify windows with n * (kpool - 1) <= FORWARD_MAX_PAIRS, e.g. up to
 10 tokens at kpool 4): no memory round trip per token. (With one token, step 3 comes
-first: see ``_stash_first``.)
+first: see ``_stash_first``; one token also takes the forms of ``_apes_in_branch``,
+``_knockout_weights`` and ``_stores_keep_parts``, measured faster there only.)
   1. Load every token's metadata and key / gate row at once.
   2. Walk the tokens in order and complete pools. A member's ring row is the one
      the walk would find there: the row of the newest EARLIER token of this launch
@@ -227,8 +228,8 @@ def _knockout_weights(tokens_per_request: int) -> bool:
     for kpool 4's four scores and six selects, ``numerics.softmax_weights_knockout``; the
     same bytes): for one token per request. H200, session 18 (device spans, run 1): at
     next_n 1, B = 256 1.98 us against 2.02-2.05 with four exps (B = 1 level); at next_n 4,
-    where every program completes a pool and the selects' chain weighs more, 2.62-2.66
-    against 2.46-2.50 (B = 1 2.05 against 1.86), as compression, 2-4 % slower with it."""
+    where every program completes a pool, 2.62-2.66 against 2.46-2.50 (B = 1 2.05
+    against 1.86); compression too was 2-4 % slower with it (``_backend.kernel_numerics``)."""
     return tokens_per_request == 1
 
 

@@ -337,7 +337,8 @@ def softmax_weights(s, exp):
 
 def softmax_weights_knockout(s, exp):
     """``softmax_weights`` with one exp fewer at R = 4 (kpool 4; any other R: that form), the
-    same bits wherever the scores are finite. The compiled kernels' form (session 18).
+    same bits wherever the scores are finite. The decode update's form at one token per
+    request (session 18; ``decode_update._knockout_weights``).
 
     A knockout of the four scores: s0 meets s1 and s2 meets s3, then the two winners meet.
     The final's winner is the max m, and its weight is exp(m - m) = exp(0), exactly 1 (the
@@ -379,8 +380,9 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
     Hadamard's -0 -> +0 (``positive_zero``) and of the clip before the fp8 conversion
     (``quant_fp8``); compiled kernels pass one PTX instruction each for the first two
     and leave the clip to the saturating conversion (session 17; the same bytes).
-    weights: the softmax weights' form (default ``softmax_weights``; the kernels pass
-    ``softmax_weights_knockout``, one exp fewer, the same bits for finite scores).
+    weights: the softmax weights' form (default ``softmax_weights``; the decode update
+    passes ``softmax_weights_knockout`` at one token per request: one exp fewer, the same
+    bits for finite scores).
     Two-pass softmax with explicit left-to-right sums, so every backend adds in the
     same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
 
