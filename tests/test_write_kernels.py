@@ -185,7 +185,7 @@ def test_compiled_write_kernels_use_the_ptx_forms():
     compression and decode kernels round each of their 20 products that meet an add with
     one inline ``mul.rn.f32`` (3 per exp x 4, the 4 pooled products, 4 Newton steps; at one
     token per request the decode update's knockout takes 3 exps: 17, and 3 floors against
-    4, session 18) and
+    4, and its words are stored as [32, 4] / [64, 2], session 18) and
     carry none of ``numerics.rounded``'s integer mins; they round to bf16 twice with
     ``cvt.rn.bf16x2.f32``, turn -0 into +0 once with ``add.rn.f32`` and leave the clip
     before the fp8 conversion out (no 448 in their IR). In interpret mode they use the
@@ -223,3 +223,8 @@ def test_compiled_write_kernels_use_the_ptx_forms():
         assert "fma.rn" not in ir, name
         assert "arith.minui" not in ir, name
         assert "4.480000e+02" not in ir, name                        # the clip's constant is gone
+    # one token stores its words from the packing's shape (decode_update._stores_keep_parts)
+    stores = [sorted({ln.rsplit(":", 1)[-1].strip() for ln in k[3].splitlines() if "tt.store" in ln})
+              for k in dec + dec1]
+    assert stores[0] == ["!tt.ptr<i32>", "tensor<32x!tt.ptr<i32>>", "tensor<64x!tt.ptr<i32>>"]
+    assert stores[1] == ["!tt.ptr<i32>", "tensor<32x4x!tt.ptr<i32>>", "tensor<64x2x!tt.ptr<i32>>"]
