@@ -47,11 +47,22 @@ def narrow_offsets_safe(nbytes: int) -> bool:
     return nbytes <= 2**31 or nbytes > 2**32
 
 
+def _bool_mask(mask):
+    """`mask`, checked to be boolean. The Triton lowering rejects any other load or store
+    mask when it compiles for the GPU, while interpret mode takes an int mask as its truth
+    value: session 18's trial of an unrolled token loop passed ``~False`` (the int -1) and
+    only failed on the H200. Checking here makes the CPU tests fail the same way."""
+    dtype = getattr(mask, "dtype", type(mask))
+    if dtype not in (bool, jax.numpy.bool_):
+        raise TypeError(f"a load / store mask must be boolean, got {dtype}")
+    return mask
+
+
 def load(ref, mask=None, other=None):
     """Masked load (masked-out lanes read `other` and touch no memory on the GPU)."""
     if mask is None:
         return ref[...]
-    return plt.load(ref, mask=mask, other=other)
+    return plt.load(ref, mask=_bool_mask(mask), other=other)
 
 
 def store(ref, value, mask=None):
@@ -59,14 +70,14 @@ def store(ref, value, mask=None):
     if mask is None:
         ref[...] = value
     else:
-        plt.store(ref, value, mask=mask)
+        plt.store(ref, value, mask=_bool_mask(mask))
 
 
 def gather(ref, rows, cols, mask=None, other=0):
     """ref[rows, cols] for equal-shaped int index arrays (masked lanes read `other`)."""
     if mask is None:
         return ref[rows, cols]
-    return plt.load(ref.at[rows, cols], mask=mask, other=other)
+    return plt.load(ref.at[rows, cols], mask=_bool_mask(mask), other=other)
 
 
 def table_lookup(ref):
@@ -178,7 +189,7 @@ def scatter(ref, rows, cols, value, mask):
     never touches them (masked), and interpret mode drops out-of-range scatters
     instead of writing the old value back over a real write to the same address.
     """
-    rows = jax.numpy.where(mask, rows, ref.shape[0])
+    rows = jax.numpy.where(_bool_mask(mask), rows, ref.shape[0])
     plt.store(ref.at[rows, cols], value, mask=mask)
 
 

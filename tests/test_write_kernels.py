@@ -228,3 +228,33 @@ def test_compiled_write_kernels_use_the_ptx_forms():
               for k in dec + dec1]
     assert stores[0] == ["!tt.ptr<i32>", "tensor<32x!tt.ptr<i32>>", "tensor<64x!tt.ptr<i32>>"]
     assert stores[1] == ["!tt.ptr<i32>", "tensor<32x4x!tt.ptr<i32>>", "tensor<64x2x!tt.ptr<i32>>"]
+
+
+def test_backend_rejects_a_non_boolean_mask():
+    """_backend's masked loads and stores take boolean masks only. The GPU's Triton
+    lowering rejects an int mask, but interpret mode reads it as a truth value, so a
+    kernel that builds one (session 18's unrolled-loop trial: ``~False`` is the int -1)
+    passed on the CPU and failed only on the H200. Now it fails here too, for gather,
+    scatter, load and store, while a boolean mask still works."""
+    from jax.experimental import pallas as pl
+    from pallas_kernels import _backend as B
+
+    def run(op, mask_dtype):
+        def body(x_ref, o_ref):
+            i = jax.lax.broadcasted_iota(jnp.int32, (8,), 0)
+            mask = (i < 4).astype(mask_dtype)
+            o_ref[...] = jnp.zeros((1, 8), jnp.float32)
+            if op == "gather":
+                o_ref[0, :] = B.gather(x_ref, i * 0, i, mask=mask)
+            elif op == "scatter":
+                B.scatter(o_ref, i * 0, i, x_ref[0, :], mask)
+            elif op == "load":
+                o_ref[...] = B.load(x_ref, mask=mask[None, :], other=0.0)
+            else:
+                B.store(o_ref, x_ref[...], mask=mask[None, :])
+        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((1, 8), jnp.float32),
+                              interpret=True)(jnp.full((1, 8), 7.0, jnp.float32))
+    for op in ("gather", "scatter", "load", "store"):
+        np.testing.assert_array_equal(np.asarray(run(op, jnp.bool_))[0], [7.0] * 4 + [0.0] * 4)
+        with pytest.raises(TypeError, match="mask must be boolean"):
+            run(op, jnp.int32)
