@@ -548,9 +548,9 @@ def test_knockout_weights_are_the_chain_weights(rng):
     """softmax_weights_knockout (three exps for four scores, session 18) gives every
     weight the bits of softmax_weights (the reference's left-to-right max, four exps) for
     finite scores and -inf beside them: spread values, all tie patterns with signed zeros,
-    neighbours one ulp apart, weights at the exp's clamp. It runs three exps, and a wrong
-    placement of the weight 1 (the max's) is caught: a form that gives it to score 0
-    always differs."""
+    neighbours one ulp apart, weights at the exp's clamp. It runs three exps, and the
+    max (weight 1) falls in each of the four slots somewhere in the draw, so a misplaced
+    weight shows (swapping the final's two weights fails this test)."""
     s = jnp.asarray(_knockout_scores(rng, 60_000))
     calls = []
 
@@ -562,9 +562,7 @@ def test_knockout_weights_are_the_chain_weights(rng):
     assert len(calls) == 3
     for j in range(4):
         np.testing.assert_array_equal(_bits(got[j]), _bits(want[j]), err_msg=f"weight {j}")
-    assert any(np.any(np.asarray(w) == 1.0) for w in want[1:])                # maxima sit in every slot
-    wrong = [jnp.ones_like(got[0])] + got[1:]
-    assert not np.array_equal(_bits(wrong[0]), _bits(want[0]))
+    assert all(np.any(np.asarray(w) == 1.0) for w in want)                   # the max sits in every slot
     jitted = jax.jit(lambda x: nm.softmax_weights_knockout(list(x), nm.exp_nonpositive_f32))(s)
     for j in range(4):
         np.testing.assert_array_equal(_bits(jitted[j]), _bits(want[j]), err_msg=f"jit weight {j}")
