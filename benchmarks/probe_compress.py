@@ -123,7 +123,7 @@ def _kernel_numerics_knockout(tab_ref, interpret):
 def _store_pools_in_parent(cache_ref, s, loc, valid, q8, scale):
     """pool_compress._store_pools storing each key word from the packing sum's shape, as the
     decode update does at next_n 1 (decode_update._stores_keep_parts; the same bytes)."""
-    shape = q8.shape[:1] + (32, 4)
+    shape = q8.shape[:1] + (pa.KEY_WORDS, 4)
     w, j = (jax.lax.broadcasted_iota(jnp.int32, shape, d) for d in (1, 2))              # [TILE, 32, 4]
     rk, ck = pa.split_word(s, pa.pool_key_words(s, loc)[:, None, None] + w)
     pb.scatter(cache_ref, rk, ck, nm.pack_fp8_words(q8, keep_parts=True), valid[:, None, None] & (j == 0))

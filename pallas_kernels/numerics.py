@@ -432,6 +432,7 @@ def pack_bf16_words(x, keep_parts=False):
 
 
 def _words(w, keep_parts, parts):
+    """The packed words w [..., words], or with keep_parts each repeated over `parts`."""
     return jnp.broadcast_to(w[..., None], w.shape + (parts,)) if keep_parts else w
 
 
