@@ -16,7 +16,12 @@ A step carries two grids of new tokens, one row per request:
 One ``decode_update`` call per layer serves both: the *update grid*
 ``[decode_rows + prefill_rows, update_width_tokens]`` (``upd_*``) holds the decode
 rows, then each prefill row's head; ``upd_token_index`` says which flat token of
-the step each entry is.
+the step each entry is. A step whose chunks all start on a pool boundary (every
+chunk the engine cuts by itself: chunk sizes are multiples of kpool, prefix hits
+end on block boundaries) has no heads: its shape has ``head_width_tokens = 0`` and
+its update grid is the decode grid alone, ``[decode_rows, decode_width_tokens]``,
+so the decode update walks next_n tokens of the decode rows, not kpool - 1 tokens
+of every row (and at next_n = 1 runs the one-token kernel).
 
 Every array is padded to bucketed sizes (powers of two, with per-engine minimums)
 so a steady workload reuses a handful of compiled shapes. Padding: -1 in every
@@ -50,11 +55,16 @@ class StepShape:
     prefill_rows: int
     prefill_width_tokens: int
     table_blocks: int
-    head_width_tokens: int
+    head_width_tokens: int          # 0 (no prefill row has a head) or kpool - 1
 
     @property
     def update_width_tokens(self) -> int:
         return max(self.decode_width_tokens, self.head_width_tokens)
+
+    @property
+    def update_rows(self) -> int:
+        """Rows of the update grid: the decode rows, then the prefill rows if heads exist."""
+        return self.decode_rows + (self.prefill_rows if self.head_width_tokens else 0)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +83,7 @@ class BucketMins:
     prefill_rows: int = 1
     prefill_width_tokens: int = 8
     table_blocks: int = 1
+    head_width_tokens: int = 0      # > 0: carry the head columns (kpool - 1) in every step
 
 
 @dataclasses.dataclass
@@ -90,17 +101,25 @@ class RowSpec:
 
 def choose_shape(config: IndexerConfig, decode_rows, prefill_rows, *, next_n: int,
                  mins: BucketMins = BucketMins()) -> StepShape:
-    """Bucketed shape holding these rows (lists of RowSpec)."""
+    """Bucketed shape holding these rows (lists of RowSpec). The head columns (kpool - 1
+    of them) are there only when a prefill row starts off a pool boundary (or
+    ``mins.head_width_tokens`` asks for them)."""
     bs = config.block_size
     need_blocks = max([-(-r.end_pos // bs) for r in list(decode_rows) + list(prefill_rows)] + [1])
     width = max([len(r.token_ids) for r in prefill_rows] + [1])
+    heads = any(_head_tokens(r, config.kpool) for r in prefill_rows) or mins.head_width_tokens > 0
     return StepShape(
         decode_rows=bucket(len(decode_rows), mins.decode_rows),
         decode_width_tokens=int(next_n),
         prefill_rows=bucket(len(prefill_rows), mins.prefill_rows),
         prefill_width_tokens=bucket(width, mins.prefill_width_tokens),
         table_blocks=bucket(need_blocks, mins.table_blocks),
-        head_width_tokens=max(config.kpool - 1, 1))
+        head_width_tokens=config.kpool - 1 if heads else 0)
+
+
+def _head_tokens(row: RowSpec, kpool: int) -> int:
+    """Tokens of a prefill row that complete the pool straddling its start (the head)."""
+    return min((-row.start_pos) % kpool, len(row.token_ids))
 
 
 def attention_slot_mapping(positions_tokens, request_index, block_table_blocks, block_size_tokens: int):
@@ -139,7 +158,7 @@ class StepArrays:
     pre_slot_pools: np.ndarray         # compress_prefill input: -1 on head tokens and padding
     pre_tslots: np.ndarray             # seed_tail input: -1 on head tokens and padding
     pre_attn_slots: np.ndarray
-    # update grid [Bd + Bp, U] for decode_update: decode rows, then prefill heads
+    # update grid [Bd (+ Bp with heads), U] for decode_update: decode rows, then prefill heads
     upd_token_index: np.ndarray        # flat step token of each entry (0 for padding)
     upd_positions: np.ndarray          # -1 = padding
     upd_slot_pools: np.ndarray
@@ -204,15 +223,19 @@ def build_step(config: IndexerConfig, shape: StepShape, decode_rows, prefill_row
     u = shape.update_width_tokens
     head_len = np.zeros(bp, np.int64)
     for i, spec in enumerate(prefill_rows):
-        head_len[i] = min((-spec.start_pos) % r, len(spec.token_ids))
+        head_len[i] = _head_tokens(spec, r)
+    if head_len.max(initial=0) > shape.head_width_tokens:
+        raise ValueError(f"a prefill row starts off a pool boundary (a head of {head_len.max()} tokens) "
+                         f"but the shape has head_width_tokens = {shape.head_width_tokens}")
     is_head = np.arange(np_)[None, :] < head_len[:, None]
     ucol = np.arange(u)[None, :]
     head_live = (ucol < head_len[:, None]) & (ucol < np_)
-    upd_pos = np.concatenate([_take_cols(dpos, u), np.where(head_live, _take_cols(ppos, u), -1)])
-    upd_sp = np.concatenate([_take_cols(dsp, u), np.where(head_live, _take_cols(psp, u), -1)])
-    upd_ts = np.concatenate([_take_cols(dts, u), np.where(head_live, _take_cols(pts, u), -1)])
+    hp = shape.update_rows - bd                                                # bp with heads, else 0
+    upd_pos = np.concatenate([_take_cols(dpos, u), np.where(head_live, _take_cols(ppos, u), -1)[:hp]])
+    upd_sp = np.concatenate([_take_cols(dsp, u), np.where(head_live, _take_cols(psp, u), -1)[:hp]])
+    upd_ts = np.concatenate([_take_cols(dts, u), np.where(head_live, _take_cols(pts, u), -1)[:hp]])
     dec_idx = np.arange(bd)[:, None] * nd + ucol
-    pre_idx = bd * nd + np.arange(bp)[:, None] * np_ + ucol
+    pre_idx = bd * nd + np.arange(hp)[:, None] * np_ + ucol
     upd_idx = np.where(upd_pos >= 0, np.concatenate([dec_idx, pre_idx]), 0)
 
     tok_rows = np.concatenate([np.repeat(np.arange(bd), nd), bd + np.repeat(np.arange(bp), np_)])

@@ -7,8 +7,9 @@ or of exact token ids; selected tokens are compared per row as sorted sets (the
 short-context fill and the sparse path emit the same set in different orders).
 
 Compile budget: the 2-layer tests share ONE compiled step (same model structure,
-layout, bucket minimums); the fault probe and the speculative test each add one
-1-layer compile.
+layout, bucket minimums, no head columns); the chunked-prefill test's engine with
+pinned head columns adds one, and the fault probe and the speculative test each add
+one 1-layer compile.
 """
 import dataclasses
 
@@ -126,6 +127,31 @@ def test_step_metadata_heads_padding_and_units(rng):
         build_step(cfg, shape, dec, [RowSpec([1] * 4, 0, [], 41)])
 
 
+def test_step_without_heads_updates_the_decode_grid_only(rng):
+    """Chunks that start on pool boundaries have no head: the shape carries no head
+    columns, the update grid is the decode grid itself (next_n tokens of the decode rows
+    only), and a row with a head does not fit such a shape."""
+    cfg = MODEL_CFG.indexer
+    bt = [int(b) for b in rng.permutation(np.arange(1, 40))[:4]]
+    next_n = int(rng.integers(1, 4))
+    dec = [RowSpec([7] * next_n, int(rng.integers(0, 2 * BS)), bt[:3], 40)]
+    pre = [RowSpec(list(range(int(rng.integers(1, 40)))), R * int(rng.integers(0, 2 * BS // R)), bt, 41)]
+    shape = choose_shape(cfg, dec, pre, next_n=next_n, mins=BucketMins(prefill_width_tokens=8))
+    assert shape.head_width_tokens == 0 and shape.update_rows == shape.decode_rows
+    a = build_step(cfg, shape, dec, pre)
+    assert a.upd_positions.shape == a.dec_positions.shape == (shape.decode_rows, next_n)
+    np.testing.assert_array_equal(a.upd_positions, a.dec_positions)
+    live = a.upd_positions >= 0
+    np.testing.assert_array_equal(a.upd_token_index[live], np.flatnonzero(a.dec_positions.ravel() >= 0))
+    assert (a.pre_slot_pools[a.pre_positions >= 0] != -1).any() or len(pre[0].token_ids) < R
+    pinned = choose_shape(cfg, dec, pre, next_n=next_n, mins=BucketMins(head_width_tokens=1))
+    assert pinned.head_width_tokens == R - 1 and pinned.update_rows == pinned.decode_rows + pinned.prefill_rows
+    head = RowSpec([1, 2, 3], R * 5 + 1, bt, 41)                         # starts mid-pool
+    assert choose_shape(cfg, dec, [head], next_n=next_n).head_width_tokens == R - 1
+    with pytest.raises(ValueError, match="off a pool boundary"):
+        build_step(cfg, shape, dec, [head])
+
+
 def test_step_arrays_pack_into_one_copy_per_device(rng):
     """The step's metadata goes to each device as one int32 array; unpacking it (what
     the jitted step does) gives back every field, and mismatched shards are refused."""
@@ -187,12 +213,17 @@ def test_chunked_prefill_any_boundary_matches_unchunked(rng):
     def policy(rid, start, remaining, cap):
         return next(e for e in ends if e > start) - start
 
+    # `one` never has a head (its update grid is the decode grid); `many` pins the head
+    # columns, so its chunks and its decode steps share one compiled step
     one = make_engine(model, rng, record=True, snapshot_on_finish=True)
-    many = make_engine(model, rng, record=True, snapshot_on_finish=True, chunk_policy=policy)
+    many = make_engine(model, rng, record=True, snapshot_on_finish=True, chunk_policy=policy,
+                       bucket_mins=dataclasses.replace(MINS, head_width_tokens=1))
     one.add_request("r", prompt, new)
     many.add_request("r", prompt, new)
     snap_one, snap_many = step_until_prefilled(one, "r"), step_until_prefilled(many, "r")
     assert many.steps == len(ends) and one.steps == 1
+    assert {s.head_width_tokens for s in one.shapes_seen} == {0}
+    assert {s.head_width_tokens for s in many.shapes_seen} == {R - 1}
     assert_same_bytes(snap_one, snap_many, f"after prefill in chunks ending at {ends}")
     in_flight = []                                  # recorded rows not yet on the host, per step
     one.run(), many.run(on_step=lambda e: in_flight.append(len(e._fetches)))
