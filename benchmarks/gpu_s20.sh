@@ -5,6 +5,10 @@
 #                columns (the step-shape change of session 20), bytes compared first
 #   PART=shapes  trace_writes.py with compression launch shapes of 16 values of a pooled row per
 #                thread ($SHAPES) beside the defaults, then the notebooks' cells
+#   PART=profile benchmarks/profile_step.py: a serving step's device time kernel by kernel
+#   PART=contractions  test_gpu / test_serving / test_indexer compiled, then profile_step.py with the
+#                ordered contractions' launch defaults of session 19 and of session 20 (an A/B)
+#   PART=olprobe benchmarks/probe_ordered_linear.py: launch shapes of the ordered contractions ($OL_ARGS)
 # Logs under $OUT.   device tool: PART=suite bash benchmarks/gpu_s20.sh   (carry .vectors and .whl)
 PART=${PART:-suite}
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -23,4 +27,20 @@ if [ "$PART" = shapes ]; then
   echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -30
   timeout "${N_S:-150}" python3 tests/scripts/run_notebook_cells.py ${NOTEBOOKS:-} > "$OUT/notebooks.txt" 2>&1
   echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
+fi
+if [ "$PART" = profile ] || [ "$PART" = contractions ]; then
+  if [ "$PART" = contractions ]; then      # the ordered-linear tests compiled, then the step A/B
+    timeout "${TC_S:-200}" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE tests/test_gpu.py tests/test_serving.py \
+      tests/test_indexer.py > "$OUT/pytest_contractions.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_contractions.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_contractions.log" | tail -8
+    timeout "${PS_S:-150}" python3 benchmarks/profile_step.py --session19-contractions --top 12 \
+      --json "$OUT/profile_step_s19.json" > "$OUT/profile_step_s19.txt" 2>&1
+    echo "rc=$?" >> "$OUT/profile_step_s19.txt"; grep -v "^W\|^I0" "$OUT/profile_step_s19.txt" | tail -40
+  fi
+  timeout "${PS_S:-150}" python3 benchmarks/profile_step.py --top 12 --json "$OUT/profile_step.json" > "$OUT/profile_step.txt" 2>&1
+  echo "rc=$?" >> "$OUT/profile_step.txt"; grep -v "^W\|^I0" "$OUT/profile_step.txt" | tail -40
+fi
+if [ "$PART" = olprobe ]; then
+  timeout "${OL_S:-300}" python3 benchmarks/probe_ordered_linear.py ${OL_ARGS:-} > "$OUT/probe_ordered_linear.txt" 2>&1
+  echo "rc=$?" >> "$OUT/probe_ordered_linear.txt"; grep -v "^W\|^I0" "$OUT/probe_ordered_linear.txt" | tail -40
 fi

@@ -1,0 +1,149 @@
+"""Where the device time of one serving step goes, kernel by kernel, from a profiler trace.
+
+Usage (GPU machine):
+    PYTHONPATH=$PWD python benchmarks/profile_step.py [--calls 10] [--top 25] [--json out.json]
+
+Serves bench_scaleout's GPU workload on one device (step_heads.capture: the decode-only
+step with the most decode rows and the step with the most tokens), then replays each
+kept step ``--calls`` times, each call queued behind a busy kernel and waited for, under
+``jax.profiler.trace``. Reported per step: the span (first kernel's start to last
+kernel's end, median over the calls), the summed kernel time, the kernel count, and
+the ``--top`` kernels by time (median per call), each with its share of the span and
+the JAX operation it comes from (the ``op_name`` of its HLO instruction in the compiled
+step, where the names match), and the time of kernel groups: the indexer's own Pallas
+kernels (``kpool_*``), the model's batch-invariant contractions (``ordered_*``) and the
+rest (XLA). Only the kernels' own times, no harness.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import numpy as np
+from flax import nnx
+
+from glm5_jax import engine as eng_mod
+from glm5_jax import invariant, sharding, simulate
+from glm5_jax.model import Decoder
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import trace_read as tr  # noqa: E402
+from bench_scaleout import GPU_OVERRIDES  # noqa: E402
+from step_heads import capture  # noqa: E402
+
+
+# kernel name prefixes reported as groups: the indexer's Pallas kernels (kpool_*: writes,
+# query quantisation, paged logits, top-k), the model's batch-invariant contractions
+GROUPS = ("kpool_", "ordered_linear", "ordered_sumsq")
+
+
+def step_call(eng, model, plans, shape, cache_row):
+    """(f, args): one call of the engine's compiled step for these rows from cache_row;
+    f returns the new cache (donated) so calls can be chained."""
+    mesh = sharding.single_device_mesh()
+    state = sharding.replicated(nnx.split(model)[1], mesh)
+    flat, fields = eng._batch(shape, plans)
+    prev = sharding.put_per_shard(np.zeros((1, eng.tokens_out), np.int32), mesh)
+    kw = dict(fields=fields, graphdef=eng._graphdef, layout=eng.layout, implementation=eng.implementation,
+              fault=None, mesh=mesh, contractions=invariant.contractions(), tokens_out=eng.tokens_out)
+    cache = [sharding.put_per_shard(cache_row[None], mesh)]
+
+    def f():
+        cache[0], tok, _ = eng_mod._step(state, cache[0], flat, prev, **kw)
+        return tok
+    hlo = eng_mod._step.lower(state, cache[0], flat, prev, **kw).compile().as_text()
+    return f, hlo
+
+
+def op_names(hlo: str) -> dict:
+    """{instruction name: op_name} of the compiled HLO's instructions."""
+    out = {}
+    for m in re.finditer(r"%([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo):
+        out.setdefault(m.group(1), m.group(2))
+    return out
+
+
+def profile(f, calls: int):
+    busy, busy_arg = tr.busy_kernel(), np.zeros((16,), np.float32)
+    jax.block_until_ready(f())
+    jax.block_until_ready(busy(busy_arg))
+    d = tempfile.mkdtemp(prefix="profile_step_")
+    with jax.profiler.trace(d):
+        for _ in range(calls):
+            busy(busy_arg)
+            jax.block_until_ready(f())
+    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        raise RuntimeError(f"jax.profiler wrote no xplane.pb under {d}")
+    return tr.group_calls(tr.device_events(paths[0]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--warm-steps", type=int, default=60)
+    ap.add_argument("--json")
+    ap.add_argument("--session19-contractions", action="store_true",
+                    help="the ordered contraction kernel's launch defaults before session 20 "
+                         "(unroll 4, 64-wide tiles for the attention's scores), for an A/B")
+    a = ap.parse_args(argv)
+    if a.session19_contractions:                 # set before anything is traced
+        import pallas_kernels.ordered_linear as ol
+        ol.UNROLL, ol.TILE_COLS_TRANSPOSED = 4, 64
+    w = simulate.preset("gpu", devices=1, **GPU_OVERRIDES)
+    model = Decoder.random(w.model_config, seed=w.seed)
+    eng = simulate.engine_for(w, model, simulate.plan_num_blocks(w, model), sharding.single_device_mesh())
+    prompts, fillers, news = simulate.draw_requests(w)
+    eng.add_request("prompt", prompts[0], w.prompt_max_new_tokens)
+    for i, (fl, n) in enumerate(zip(fillers, news)):
+        eng.add_request(f"filler{i}", fl, n)
+    print(f"profile_step: {jax.default_backend()} {jax.devices()[0].device_kind}, implementation "
+          f"{eng.implementation}{', session-19 contraction launches' if a.session19_contractions else ''}",
+          flush=True)
+    out = {}
+    for kind, (plans, shape, cache_row) in capture(eng, a.warm_steps).items():
+        f, hlo = step_call(eng, model, plans, shape, cache_row)
+        calls = profile(f, a.calls)
+        names = op_names(hlo)
+        per = collections.defaultdict(list)
+        for c in calls:
+            tot = collections.Counter()
+            for nm, dur in zip(c["names"], c["durs_ns"]):
+                tot[nm] += dur
+            for nm, dur in tot.items():
+                per[nm].append(dur)
+        med = {nm: float(np.median(v + [0.0] * (len(calls) - len(v)))) / 1e3 for nm, v in per.items()}
+        span = float(np.median([c["span_ns"] for c in calls])) / 1e3
+        kern = float(np.median([c["kernels_ns"] for c in calls])) / 1e3
+        n = int(np.median([c["n"] for c in calls]))
+        toks = sum(len(x.token_ids) for p in plans for x in p.dec_rows + p.pre_rows)
+        print(f"\n{kind}: {toks} tokens, shape {shape}\n  span {span:.1f} us, kernels {kern:.1f} us, "
+              f"{n} kernels per call")
+        groups = collections.Counter()
+        for nm, us in med.items():
+            groups[next((g for g in GROUPS if nm.startswith(g)), "XLA (fusions, sorts, copies)")] += us
+        for g, us in groups.most_common():
+            print(f"  {us:9.1f} us {us / span:6.1%}  all {g}* kernels")
+        rows = []
+        for nm, us in sorted(med.items(), key=lambda kv: -kv[1])[:a.top]:
+            base = nm.split(":")[0].strip()
+            src = names.get(base, "")
+            rows.append(dict(kernel=nm, us=us, share=us / span, op=src))
+            print(f"  {us:9.1f} us {us / span:6.1%}  {nm[:48]:<48} {src[-110:]}")
+        out[kind] = dict(tokens=toks, span_us=span, kernels_us=kern, kernels=n, groups=dict(groups), top=rows)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
