@@ -54,14 +54,29 @@ def parse(argv):
     return a, counts
 
 
-def capture_step(w, model, num_blocks, warm_steps):
-    """Serve w on one device for warm_steps steps; return (packed step arrays [1, total]
-    i32, fields, real tokens, the cache row before that step [words] u32, the engine)."""
+def workload_engine(w, model, num_blocks):
+    """A one-device Engine for workload w (simulate.engine_for) holding its system prompt
+    and fillers, not yet stepped."""
     eng = simulate.engine_for(w, model, num_blocks, sharding.single_device_mesh())
     prompts, fillers, news = simulate.draw_requests(w)
     eng.add_request("prompt", prompts[0], w.prompt_max_new_tokens)
     for i, (f, n) in enumerate(zip(fillers, news)):
         eng.add_request(f"filler{i}", f, n)
+    return eng
+
+
+def serve_steps(eng, warm_steps: int):
+    """Step eng until it is done or has run warm_steps steps."""
+    for _ in range(warm_steps):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+
+
+def capture_step(w, model, num_blocks, warm_steps):
+    """Serve w on one device for warm_steps steps; return (packed step arrays [1, total]
+    i32, fields, real tokens, the cache row before that step [words] u32, the engine)."""
+    eng = workload_engine(w, model, num_blocks)
     best = dict(tokens=-1)
     real_pack, real_batch = eng_mod.pack_step_arrays, eng_mod.Engine._batch
     seen = {}
@@ -79,10 +94,7 @@ def capture_step(w, model, num_blocks, warm_steps):
         return out
     eng_mod.pack_step_arrays, eng_mod.Engine._batch = pack, batch
     try:
-        for _ in range(warm_steps):
-            if not eng.has_unfinished():
-                break
-            eng.step()
+        serve_steps(eng, warm_steps)
     finally:
         eng_mod.pack_step_arrays, eng_mod.Engine._batch = real_pack, real_batch
     return best, eng

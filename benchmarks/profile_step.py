@@ -36,6 +36,7 @@ from glm5_jax.model import Decoder
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import trace_read as tr  # noqa: E402
 from bench_scaleout import GPU_OVERRIDES  # noqa: E402
+from device_step import workload_engine  # noqa: E402
 from step_heads import capture  # noqa: E402
 
 
@@ -100,11 +101,7 @@ def main(argv=None) -> int:
         ol.UNROLL, ol.TILE_COLS_TRANSPOSED = 4, 64
     w = simulate.preset("gpu", devices=1, **GPU_OVERRIDES)
     model = Decoder.random(w.model_config, seed=w.seed)
-    eng = simulate.engine_for(w, model, simulate.plan_num_blocks(w, model), sharding.single_device_mesh())
-    prompts, fillers, news = simulate.draw_requests(w)
-    eng.add_request("prompt", prompts[0], w.prompt_max_new_tokens)
-    for i, (fl, n) in enumerate(zip(fillers, news)):
-        eng.add_request(f"filler{i}", fl, n)
+    eng = workload_engine(w, model, simulate.plan_num_blocks(w, model))
     print(f"profile_step: {jax.default_backend()} {jax.devices()[0].device_kind}, implementation "
           f"{eng.implementation}{', session-19 contraction launches' if a.session19_contractions else ''}",
           flush=True)

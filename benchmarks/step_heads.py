@@ -36,7 +36,7 @@ from glm5_jax.model import Decoder
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_scaleout import GPU_OVERRIDES  # noqa: E402
-from device_step import time_replay  # noqa: E402
+from device_step import serve_steps, time_replay, workload_engine  # noqa: E402
 
 
 def parse(argv):
@@ -66,10 +66,7 @@ def capture(eng, warm_steps):
         return real_batch(self, shape, plans)
     eng_mod.Engine._batch = batch
     try:
-        for _ in range(warm_steps):
-            if not eng.has_unfinished():
-                break
-            eng.step()
+        serve_steps(eng, warm_steps)
     finally:
         eng_mod.Engine._batch = real_batch
     return {k: v[1:] for k, v in kept.items() if v[0] > 0}
@@ -85,11 +82,7 @@ def main(argv=None) -> int:
     over = dict(GPU_OVERRIDES) if a.preset == "gpu" else {}
     w = simulate.preset(a.preset, devices=1, **over)
     model = Decoder.random(w.model_config, seed=w.seed)
-    eng = simulate.engine_for(w, model, simulate.plan_num_blocks(w, model), sharding.single_device_mesh())
-    prompts, fillers, news = simulate.draw_requests(w)
-    eng.add_request("prompt", prompts[0], w.prompt_max_new_tokens)
-    for i, (f, n) in enumerate(zip(fillers, news)):
-        eng.add_request(f"filler{i}", f, n)
+    eng = workload_engine(w, model, simulate.plan_num_blocks(w, model))
     print(f"step_heads: {jax.default_backend()} {jax.devices()[0].device_kind}, preset {a.preset}, "
           f"implementation {eng.implementation}", flush=True)
     kept = capture(eng, a.warm_steps)
