@@ -6,6 +6,8 @@
 #   PART=shapes  trace_writes.py with compression launch shapes of 16 values of a pooled row per
 #                thread ($SHAPES) beside the defaults, then the notebooks' cells
 #   PART=final   the suite as in PART=suite, then the notebooks' cells (main's final code)
+#   PART=final2  the suite, profile_step.py three ways (session 19's contraction launches and K/V
+#                gather by words; the new launches with the word gather; both new), the notebooks
 #   PART=profile benchmarks/profile_step.py: a serving step's device time kernel by kernel
 #   PART=contractions  test_gpu / test_serving / test_indexer compiled, then profile_step.py with the
 #                ordered contractions' launch defaults of session 19 and of session 20 (an A/B)
@@ -14,7 +16,7 @@
 PART=${PART:-suite}
 HERE="$(cd "$(dirname "$0")" && pwd)"
 source "$HERE/_gpu_env.sh"
-if [ "$PART" = suite ] || [ "$PART" = final ]; then
+if [ "$PART" = suite ] || [ "$PART" = final ] || [ "$PART" = final2 ]; then
   timeout "${T_S:-260}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE tests \
     --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py \
     --deselect tests/test_triton.py::test_triton_large_cache > "$OUT/pytest_all.log" 2>&1
@@ -29,7 +31,15 @@ if [ "$PART" = shapes ]; then
     --json "$OUT/trace_writes.json" > "$OUT/trace_writes.txt" 2>&1
   echo "rc=$?" >> "$OUT/trace_writes.txt"; grep -v "^W\|^I0\|^measured" "$OUT/trace_writes.txt" | tail -30
 fi
-if [ "$PART" = shapes ] || [ "$PART" = final ]; then
+if [ "$PART" = final2 ]; then
+  for v in "s19:--session19-contractions --word-gather" "words:--word-gather" "new:"; do
+    name=${v%%:*}; args=${v#*:}
+    timeout "${PS_S:-90}" python3 benchmarks/profile_step.py $args --top 8 --json "$OUT/profile_$name.json" \
+      > "$OUT/profile_$name.txt" 2>&1
+    echo "rc=$?" >> "$OUT/profile_$name.txt"; grep -E "profile_step|span|all |rc=" "$OUT/profile_$name.txt"
+  done
+fi
+if [ "$PART" = shapes ] || [ "$PART" = final ] || [ "$PART" = final2 ]; then
   timeout "${N_S:-150}" python3 tests/scripts/run_notebook_cells.py ${NOTEBOOKS:-} > "$OUT/notebooks.txt" 2>&1
   echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
 fi

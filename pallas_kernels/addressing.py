@@ -189,6 +189,25 @@ def attn_row_words(a, slot, half):
             + row * (a.kv_row_bytes // WORD_BYTES))
 
 
+def attn_rows_aligned(a) -> bool:
+    """Whether the K/V rows are the rows of a ``u32[total_words // row_words, row_words]``
+    view of the buffer (row_words = kv_row_bytes / 4): every row starts on a multiple of
+    its size (the layer base and the block stride are multiples of it) and a row width
+    divides the view row, so the view is a reshape. Then ``attn_row_index`` gives one index
+    per row instead of one (row, col) pair per word."""
+    row_words = a.kv_row_bytes // WORD_BYTES
+    return (VIEW_COLS % row_words == 0 and a.attn_base_bytes % a.kv_row_bytes == 0
+            and a.attn_block_bytes % a.kv_row_bytes == 0)
+
+
+def attn_row_index(a, slot, half):
+    """Row of the K (half 0) or V (half 1) row of attention slot `slot` in the
+    ``u32[total_words // row_words, row_words]`` view (``attn_rows_aligned`` layouts only).
+    Base rows + local rows: no intermediate passes 2**31 for any buffer size."""
+    row_words = a.kv_row_bytes // WORD_BYTES
+    return a.attn_base_bytes // a.kv_row_bytes + attn_row_words(a, slot, half) // row_words
+
+
 def attn_split_word(a, local_words):
     """(row, col) in the [rows, VIEW_COLS] view of an attention-region word offset
     (layer-local, as returned by ``attn_row_words``); same scheme as ``split_word``."""

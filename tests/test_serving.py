@@ -152,6 +152,37 @@ def test_step_without_heads_updates_the_decode_grid_only(rng):
         build_step(cfg, shape, dec, [head])
 
 
+def test_kv_row_gather_equals_the_word_gather(rng):
+    """The attention's K/V gather by whole rows (one index per 128-byte row of the buffer
+    viewed as [rows, 32] words) returns the words of the per-word (row, col) gather, for
+    every layer, with -1 tokens, tokens past the block table and block ids past the pool;
+    a layout whose rows are not aligned to their size refuses the row form."""
+    import jax.numpy as jnp
+    from glm5_jax.model import gather_kv
+    from pallas_kernels.strides import AttnStrides
+    lay = MODEL_CFG.layout(NB)
+    cache = jnp.asarray(rng.integers(0, 2**32, lay.total_bytes // 4, dtype=np.uint64).astype(np.uint32))
+    t, w, mb = 12, 40, 3
+    tokens = rng.integers(-1, mb * BS + BS // 2, (t, w)).astype(np.int32)     # -1 and past the table
+    tables = rng.integers(0, NB + 2, (t, mb)).astype(np.int32)                # some ids past the pool
+    for layer in range(MODEL_CFG.num_layers):
+        a = lay.attn_strides(layer, MODEL_CFG.kv_row_bytes)
+        assert addr.attn_rows_aligned(a)
+        rows = gather_kv(cache, a, jnp.asarray(tokens), jnp.asarray(tables), by_rows=True)
+        words = gather_kv(cache, a, jnp.asarray(tokens), jnp.asarray(tables), by_rows=False)
+        for x, y in zip(rows[:2], words[:2]):                                 # K, V: the same bits
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(rows[2]), np.asarray(words[2]))
+        assert np.asarray(rows[2]).any() and not np.asarray(rows[2]).all()
+        assert (np.asarray(rows[0])[~np.asarray(rows[2])].view(np.uint16) == 0).all()
+    odd = AttnStrides(block_size=BS, kv_row_bytes=128, num_blocks=2, attn_base_bytes=4,
+                      attn_block_bytes=2 * BS * 128, total_bytes=4 * 1024 * 64)
+    assert not addr.attn_rows_aligned(odd)
+    with pytest.raises(ValueError, match="attn_rows_aligned"):
+        gather_kv(jnp.zeros(odd.total_bytes // 4, jnp.uint32), odd, jnp.asarray(tokens), jnp.asarray(tables),
+                  by_rows=True)
+
+
 def test_step_arrays_pack_into_one_copy_per_device(rng):
     """The step's metadata goes to each device as one int32 array; unpacking it (what
     the jitted step does) gives back every field, and mismatched shards are refused."""
