@@ -137,15 +137,15 @@ def gather_kv(cache, a, tokens, block_tables, *, by_rows: bool | None = None):
     by_rows = addr.attn_rows_aligned(a) if by_rows is None else by_rows
     if by_rows and not addr.attn_rows_aligned(a):
         raise ValueError("gather_kv: by_rows needs addressing.attn_rows_aligned strides")
+    table = cache.reshape(-1, row_words) if by_rows else cache.reshape(addr.view_shape(a))
+    iota = jnp.arange(row_words, dtype=jnp.int32)
     out = []
     for half in (0, 1):
-        if by_rows:
-            table = cache.reshape(-1, row_words)                               # [total_words / row_words, row_words]
+        if by_rows:                                   # table [total_words / row_words, row_words]
             w = jnp.take(table, addr.attn_row_index(a, slot, half), axis=0, mode="clip")    # [T, W, row_words]
-        else:
-            iota = jnp.arange(row_words, dtype=jnp.int32)
+        else:                                         # table [total_words / VIEW_COLS, VIEW_COLS]
             r, c = addr.attn_split_word(a, addr.attn_row_words(a, slot, half)[..., None] + iota)
-            w = cache.reshape(addr.view_shape(a)).at[r, c].get(mode="clip")
+            w = table.at[r, c].get(mode="clip")
         out.append(jnp.where(ok[..., None], _unpack_bf16(w), jnp.zeros((), jnp.bfloat16)))
     return out[0], out[1], ok
 
