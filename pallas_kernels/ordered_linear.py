@@ -21,8 +21,15 @@ Operands: x [M, K] or [G, M, K]; w [K, N] or [G, K, N], or with
 are gathered, without a transposed copy). A leading G is a batch of independent
 products (the attention: one per token).
 
-Reads ONLY x and w; writes ONLY out [G, M, N] f32 (lanes past M or N are
-masked). Grid: (G, ceil(M / BM), ceil(N / BN)), one [BM, BN] output tile per
+``ordered_linear_rows`` is the same chain with w read as packed bf16 rows of a
+u32 table (the cache's K / V rows, element 2c in the low half of word c), picked
+per token by a row index (-1: a zero row): the sparse attention reads the rows
+where the cache holds them, without a gathered [T, W, head_dim] copy. Each element
+enters the chain as the f32 of its bits (the bf16 -> f32 conversion), so the bits
+equal ``ordered_linear`` on the gathered rows.
+
+Reads ONLY x and w (or rows and the table's rows they name); writes ONLY out
+[G, M, N] f32 (lanes past M or N are masked). Grid: (G, ceil(M / BM), ceil(N / BN)), one [BM, BN] output tile per
 program, walking K in order, ``unroll`` steps per loop iteration (the same
 operations in the same order: the unroll only lets the loads of several steps
 be in flight together).
@@ -33,6 +40,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _backend as B
@@ -51,23 +59,41 @@ UNROLL_INTERPRET = 4       # ... in interpret mode (the CPU: a shorter loop body
 MODES = ("bf16", "f32")
 
 
-def _kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, bm: int, bn: int, mode: str, wt: bool,
-            unroll: int):
+def _kernel(*refs, m: int, n: int, k: int, bm: int, bn: int, mode: str, wt: bool, unroll: int,
+            packed: bool = False):
     # x_ref [G*M, K]; w_ref [G*K, N] (or [G*N, K] when wt); o_ref [G*M, N] f32
+    # packed: x_ref, rows_ref [G, N] (wt) or [G, K] i32, w_ref [R, row_words] u32, o_ref
+    if packed:
+        x_ref, rows_ref, w_ref, o_ref = refs
+    else:
+        (x_ref, w_ref, o_ref), rows_ref = refs, None
     g = B.program_id(0)
     rows = B.program_id(1) * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)        # [BM, 1]
     cols = B.program_id(2) * bn + lax.broadcasted_iota(jnp.int32, (1, bn), 1)        # [1, BN]
     rc, cc = jnp.minimum(rows, m - 1), jnp.minimum(cols, n - 1)                     # in range
     xr = g * m + rc                                                                 # rows of x_ref
     wr = g * n + cc if wt else None                                                 # rows of w_ref (wt)
+    if packed and wt:                                   # the table rows of this tile's columns, once
+        wr = B.gather(rows_ref, 0 * cc + g, cc)                                     # [1, BN]
+        w_live = (wr >= 0) & (wr < w_ref.shape[0])
+        wr = jnp.where(w_live, wr, 0)
+
+    def w_step(t):                                                                  # [1, BN] of w's step t
+        if not packed:
+            if wt:
+                return B.gather(w_ref, wr, 0 * wr + t)
+            return B.gather(w_ref, 0 * cc + g * k + t, cc)
+        if wt:                                          # element t of each column's row: word t >> 1
+            word = B.gather(w_ref, wr, 0 * wr + (t >> 1), mask=w_live)
+            return _bf16_half(word, t & 1)
+        r = rows_ref[g, t]                              # the row of step t (a scalar)
+        live = (r >= 0) & (r < w_ref.shape[0])
+        word = B.gather(w_ref, 0 * cc + jnp.where(live, r, 0), cc >> 1, mask=live & (cc >= 0))
+        return _bf16_half(word, cc & 1)
 
     def one(t, acc):                                                                # acc [BM, BN] f32
         xt = B.gather(x_ref, xr, 0 * xr + t).astype(jnp.float32)                    # [BM, 1]
-        if wt:
-            wv = B.gather(w_ref, wr, 0 * wr + t)                                    # [1, BN]
-        else:
-            wv = B.gather(w_ref, 0 * cc + g * k + t, cc)                            # [1, BN]
-        wv = wv.astype(jnp.float32)
+        wv = w_step(t).astype(jnp.float32)
         if mode == "bf16":
             return acc + xt * wv                                                    # exact product
         return nm.mac(acc, jnp.broadcast_to(xt, acc.shape), jnp.broadcast_to(wv, acc.shape))
@@ -83,6 +109,12 @@ def _kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, bm: int, bn: int, mo
         acc = one(groups * unroll + u, acc)
     r2, c2 = g * m + rc + 0 * cc, cc + 0 * rc                                         # [BM, BN]
     B.scatter(o_ref, r2, c2, acc, (rows < m) & (cols < n))
+
+
+def _bf16_half(word, half):
+    """The bf16 in half `half` (0: low) of u32 words, as its f32 (the bits moved to the top)."""
+    bits = jnp.where(half == 0, word << np.uint32(16), word & np.uint32(0xFFFF0000))
+    return lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
 
 
 def _tile_side(v: int, cap: int, floor: int = 16) -> int:
@@ -135,3 +167,49 @@ def ordered_linear(x, w, *, mode: str, interpret=None, tile=None, num_warps: int
         input_output_aliases={}, interpret=interpret, name=f"ordered_linear_{mode}", num_warps=num_warps,
     )(x3.reshape(g * m, k), w3.reshape(w3.shape[0] * w3.shape[1], w3.shape[2]))
     return out.reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("w_transposed", "interpret", "tile", "num_warps", "unroll"))
+def ordered_linear_rows(x, table, rows, *, w_transposed: bool, interpret=None, tile=None, num_warps: int = 4,
+                        unroll: int | None = None):
+    """``ordered_linear(x, w, mode="bf16", w_transposed=...)`` with w's rows read from a table.
+
+    x [G, M, K] bf16; table [R, row_words] u32, each row 2 * row_words bf16 (element 2c
+    in the low half of word c); rows int32, -1 (or any id outside [0, R)) for a zero row:
+    * ``w_transposed``: rows [G, N], w[g, n, :] = table row rows[g, n] (K = 2 * row_words);
+    * else: rows [G, K], w[g, j, :] = table row rows[g, j] (N = 2 * row_words).
+    Returns [G, M, N] f32 with the bits of ``ordered_linear`` on those w (module
+    docstring). ``tile`` and ``unroll`` as there."""
+    if x.dtype != jnp.bfloat16 or x.ndim != 3:
+        raise ValueError(f"ordered_linear_rows: x must be [G, M, K] bfloat16, got {x.shape} {x.dtype}")
+    if table.dtype != jnp.uint32 or table.ndim != 2:
+        raise ValueError(f"ordered_linear_rows: table must be [R, row_words] uint32, got {table.shape} {table.dtype}")
+    if rows.ndim != 2 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(f"ordered_linear_rows: rows must be a 2-D integer array, got {rows.shape} {rows.dtype}")
+    g, m, k = x.shape
+    row_elems = 2 * table.shape[1]
+    if w_transposed:
+        n, want_rows = rows.shape[1], (g, rows.shape[1])
+        if k != row_elems:
+            raise ValueError(f"ordered_linear_rows: x's K = {k} must be the table rows' {row_elems} elements")
+    else:
+        n, want_rows = row_elems, (g, k)
+    if rows.shape != want_rows:
+        raise ValueError(f"ordered_linear_rows: rows {rows.shape} does not match x {x.shape} "
+                         f"({'[G, N]' if w_transposed else '[G, K]'} expected)")
+    interpret = B.resolve_interpret(interpret)
+    unroll = (UNROLL_INTERPRET if interpret else UNROLL) if unroll is None else unroll
+    if unroll < 1:
+        raise ValueError(f"ordered_linear_rows: unroll must be >= 1, got {unroll}")
+    if g == 0 or m == 0 or n == 0 or k == 0:
+        return jnp.zeros((g, m, n), jnp.float32)
+    bm, bn = tile if tile is not None else (_tile_side(m, TILE_ROWS),
+                                            _tile_side(n, TILE_COLS_TRANSPOSED if w_transposed else TILE_COLS))
+    out = B.pallas_call(
+        functools.partial(_kernel, m=m, n=n, k=k, bm=bm, bn=bn, mode="bf16", wt=w_transposed, unroll=unroll,
+                          packed=True),
+        grid=(g, -(-m // bm), -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((g * m, n), jnp.float32),
+        input_output_aliases={}, interpret=interpret, name="ordered_linear_rows", num_warps=num_warps,
+    )(x.reshape(g * m, k), rows.astype(jnp.int32), table)
+    return out.reshape(g, m, n)

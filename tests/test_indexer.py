@@ -228,6 +228,59 @@ def test_attention_and_norm_kernels_equal_the_chains(rng, monkeypatch):
         ordered_sumsq(x.astype(jnp.bfloat16))
 
 
+def _rows_operand(table_bits, rows):
+    """The dense w that ``ordered_linear_rows`` reads: table row rows[g, j] as bf16
+    (element 2c in the low half of word c), zeros where rows is outside the table."""
+    n_rows, words = table_bits.shape
+    live = (rows >= 0) & (rows < n_rows)
+    w = table_bits[np.where(live, rows, 0)]                                      # [G, J, words] u32
+    halves = np.stack([w & 0xFFFF, w >> 16], axis=-1).reshape(rows.shape + (2 * words,)).astype(np.uint16)
+    return np.where(live[..., None], halves, 0).astype(np.uint16).view(ml_dtypes.bfloat16)
+
+
+def test_ordered_linear_rows_equals_the_kernel_on_gathered_rows(rng):
+    """The attention's contractions reading w's rows from a packed table by index
+    (``ordered_linear_rows``: the scores with the rows as w's transposed rows, the
+    weighted sum with one row per step) give the bits of ``ordered_linear`` on the rows
+    gathered and unpacked beforehand, for any tile and unroll (odd ones put a step's
+    half of a word at a traced parity); row ids -1 and past the table read zeros."""
+    from pallas_kernels.ordered_linear import ordered_linear, ordered_linear_rows
+    g, m, words, n_rows, w_tokens = 4, 3, 8, 29, 21                        # head_dim 16
+    bits = rng.integers(0, 2**32, (n_rows, words), dtype=np.uint64).astype(np.uint32)
+    bits &= ~np.uint32(0x7F807F80) | np.uint32(0x3C003C00)                 # bf16 halves of modest exponent
+    rows = rng.integers(-1, n_rows + 3, (g, w_tokens)).astype(np.int32)     # -1 and past the table
+    rows.flat[rng.choice(rows.size, 4, replace=False)] = [-1, -1, n_rows, n_rows + 2]
+    dense = _rows_operand(bits, rows)                                        # [G, W, 16] bf16
+    assert np.isfinite(dense.astype(np.float32)).all()
+    table = jnp.asarray(bits)
+    q = jnp.asarray(bf16(rng, (g, m, 2 * words)))
+    p = jnp.asarray(bf16(rng, (g, m, w_tokens), 0.1))
+    want_s = np.asarray(ordered_linear(q, jnp.asarray(dense), mode="bf16", w_transposed=True)).view(np.uint32)
+    want_o = np.asarray(ordered_linear(p, jnp.asarray(dense), mode="bf16")).view(np.uint32)
+    assert want_s.shape == (g, m, w_tokens) and want_o.shape == (g, m, 2 * words)
+    for tile, unroll in ((None, None), ((16, 16), 3)):
+        got_s = ordered_linear_rows(q, table, jnp.asarray(rows), w_transposed=True, tile=tile, unroll=unroll)
+        got_o = ordered_linear_rows(p, table, jnp.asarray(rows), w_transposed=False, tile=tile, unroll=unroll)
+        np.testing.assert_array_equal(np.asarray(got_s).view(np.uint32), want_s, err_msg=f"scores {tile} {unroll}")
+        np.testing.assert_array_equal(np.asarray(got_o).view(np.uint32), want_o, err_msg=f"sum {tile} {unroll}")
+    # lowered for CUDA (here on the CPU, as benchmarks/offline_sass.py does): the Triton
+    # lowering takes both forms (interpret mode accepts ops that it rejects)
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import offline_sass as osass
+    for a, tr in ((q, True), (p, False)):
+        [(name, *_)] = osass.capture(lambda a_, t_, r_: ordered_linear_rows(a_, t_, r_, w_transposed=tr,
+                                                                           interpret=False), a, table, jnp.asarray(rows))
+        assert name == "ordered_linear_rows"
+    with pytest.raises(ValueError, match="must be the table rows"):
+        ordered_linear_rows(q[..., :8], table, jnp.asarray(rows), w_transposed=True)
+    with pytest.raises(ValueError, match="does not match"):
+        ordered_linear_rows(p[..., :5], table, jnp.asarray(rows), w_transposed=False)
+    with pytest.raises(ValueError, match="uint32"):
+        ordered_linear_rows(q, table.astype(jnp.int32), jnp.asarray(rows), w_transposed=True)
+
+
 def test_ordered_linear_kernel_rejects_bad_input():
     from pallas_kernels.ordered_linear import ordered_linear
     x = jnp.zeros((4, 8), jnp.bfloat16)
