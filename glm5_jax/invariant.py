@@ -71,7 +71,7 @@ def contractions() -> str:
     return CONTRACTIONS
 
 
-def _kernel_for(kind: str) -> bool:
+def kernel_for(kind: str) -> bool:
     """Whether the contractions of ``kind`` (one of "linear", "attention", "norms")
     run as Pallas kernels now."""
     return contractions() == "pallas" and kind in PALLAS_KERNELS
@@ -110,7 +110,7 @@ def linear(x, w_t):
     if w_t.shape[0] != k:
         raise ValueError(f"linear: x [..., {k}] does not match weight [{w_t.shape[0]}, ...]")
     lead = x.shape[:-1]
-    if _kernel_for("linear"):
+    if kernel_for("linear"):
         from pallas_kernels.ordered_linear import ordered_linear
         return ordered_linear(x.reshape(-1, k), w_t, mode="bf16").reshape(lead + (w_t.shape[1],))
     x2 = x.reshape(-1, k).astype(jnp.float32)
@@ -143,7 +143,7 @@ def linear_f32(x, w_t):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     wf = w_t.astype(jnp.float32)
-    if _kernel_for("linear"):
+    if kernel_for("linear"):
         from pallas_kernels.ordered_linear import ordered_linear
         return ordered_linear(x2, wf, mode="f32").reshape(lead + (w_t.shape[1],))
 
@@ -192,7 +192,7 @@ def batched_linear(a, b, *, b_transposed: bool = False):
     if b.shape[0] != g or kb != k:
         raise ValueError(f"batched_linear: a {a.shape} does not match b {b.shape}"
                          f"{' (transposed)' if b_transposed else ''}")
-    if _kernel_for("attention"):
+    if kernel_for("attention"):
         from pallas_kernels.ordered_linear import ordered_linear
         return ordered_linear(a, b, mode="bf16", w_transposed=b_transposed)
     if b_transposed:
@@ -208,7 +208,7 @@ def sum_sq_last(x):
     """sum_j x_j**2 over the last axis, exact-product mac chain (f32)."""
     x = x.astype(jnp.float32)
     n = x.shape[-1]
-    if _kernel_for("norms"):
+    if kernel_for("norms"):
         from pallas_kernels.ordered_sumsq import ordered_sumsq
         return ordered_sumsq(x.reshape(-1, n)).reshape(x.shape[:-1])
 

@@ -39,6 +39,12 @@ from .indexer import Indexer, _normal
 from .layout import CacheLayout
 
 BF16_BYTES = 2
+# Where the attention's contraction kernels run (``invariant.kernel_for("attention")``, a GPU
+# by default) and the K/V rows are aligned (``addressing.attn_rows_aligned``), they read the
+# K and V rows from the cache themselves (``sparse_attention_rows``) instead of from a
+# gathered [T, W, head_dim] copy (``gather_kv``). The same bits either way; False keeps the
+# gather (benchmarks/profile_step.py --gather-attention compares the two).
+ATTENTION_FROM_ROWS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +104,9 @@ def _pack_bf16(x):
 
 
 def _unpack_bf16(w):
-    lead = w.shape[:-1]
-    h = jnp.stack([w & 0xFFFF, w >> 16], axis=-1).astype(jnp.uint16).reshape(lead + (-1,))
-    return lax.bitcast_convert_type(h, jnp.bfloat16)
+    """[..., n] uint32 -> [..., 2n] bf16 (inverse of ``_pack_bf16``): a bitcast, which
+    splits each word in memory order (little-endian: the low half first)."""
+    return lax.bitcast_convert_type(w, jnp.bfloat16).reshape(w.shape[:-1] + (-1,))
 
 
 def write_kv(cache, a, k, v, slots):
@@ -117,6 +123,34 @@ def write_kv(cache, a, k, v, slots):
     return view.reshape(-1)
 
 
+def _kv_slots(a, tokens, block_tables):
+    """Attention slots [T, W] of request-relative tokens [T, W] (-1 = none) through each
+    row's manager block ids block_tables [T, MB], and their validity [T, W] (invalid
+    slots are 0)."""
+    mb = block_tables.shape[1]
+    col, row_in_block = addr.attn_token_block_col(a, jnp.maximum(tokens, 0))
+    ok = (tokens >= 0) & (col < mb)
+    blk = jnp.take_along_axis(block_tables, jnp.clip(col, 0, mb - 1), axis=1)
+    slot = addr.attn_slot(a, blk, row_in_block)
+    ok = ok & addr.attn_slot_valid(a, slot)
+    return jnp.where(ok, slot, 0), ok
+
+
+def kv_rows(a, tokens, block_tables):
+    """The K and V rows [T, W] i32 of request-relative tokens [T, W] in the buffer viewed
+    as [rows, row_words] (``kv_table``; ``addressing.attn_rows_aligned`` layouts only),
+    -1 where a token has no row (the arguments of ``gather_kv``)."""
+    if not addr.attn_rows_aligned(a):
+        raise ValueError("kv_rows: needs addressing.attn_rows_aligned strides")
+    slot, ok = _kv_slots(a, tokens, block_tables)
+    return tuple(jnp.where(ok, addr.attn_row_index(a, slot, half), -1) for half in (0, 1))
+
+
+def kv_table(cache, a):
+    """The buffer as [rows, row_words] u32: one K or V row per row (``kv_rows``)."""
+    return cache.reshape(-1, a.kv_row_bytes // WORD_BYTES)
+
+
 def gather_kv(cache, a, tokens, block_tables, *, by_rows: bool | None = None):
     """K, V [T, W, head_dim] bf16 of request-relative tokens [T, W] (-1 = none) and a
     validity mask [T, W]; block_tables [T, MB] = each row's manager block ids.
@@ -126,18 +160,12 @@ def gather_kv(cache, a, tokens, block_tables, *, by_rows: bool | None = None):
     pair per word of the [rows, VIEW_COLS] view. The same words either way. On the H200
     (session 20) the per-word form was a 2.6 ms fusion of a 15 ms serving step: its
     index arrays alone (T x W x row_words pairs) were larger than the rows."""
-    mb = block_tables.shape[1]
-    col, row_in_block = addr.attn_token_block_col(a, jnp.maximum(tokens, 0))
-    ok = (tokens >= 0) & (col < mb)
-    blk = jnp.take_along_axis(block_tables, jnp.clip(col, 0, mb - 1), axis=1)
-    slot = addr.attn_slot(a, blk, row_in_block)
-    ok = ok & addr.attn_slot_valid(a, slot)
-    slot = jnp.where(ok, slot, 0)
+    slot, ok = _kv_slots(a, tokens, block_tables)
     row_words = a.kv_row_bytes // WORD_BYTES
     by_rows = addr.attn_rows_aligned(a) if by_rows is None else by_rows
     if by_rows and not addr.attn_rows_aligned(a):
         raise ValueError("gather_kv: by_rows needs addressing.attn_rows_aligned strides")
-    table = cache.reshape(-1, row_words) if by_rows else cache.reshape(addr.view_shape(a))
+    table = kv_table(cache, a) if by_rows else cache.reshape(addr.view_shape(a))
     iota = jnp.arange(row_words, dtype=jnp.int32)
     out = []
     for half in (0, 1):
@@ -164,6 +192,20 @@ def sparse_attention(q, k, v, mask):
     scores = scores * jnp.float32(hd ** -0.5)
     p = inv.bf16(inv.masked_softmax(scores, mask[:, None, :]))
     return inv.batched_linear(p, v)                                      # [T, nh, hd]: p . v over W
+
+
+def sparse_attention_rows(q, table, rows_k, rows_v, *, interpret=None):
+    """``sparse_attention`` with K and V read by the contraction kernels from the cache's
+    rows (``kv_table``, ``kv_rows``; -1 = no token) instead of a gathered [T, W, hd] copy:
+    the same operations in the same order, so the same bits. q [T, nh, hd] bf16; rows_k,
+    rows_v [T, W] -> [T, nh, hd] f32. What the serving step runs where the attention's
+    contractions are kernels (``invariant.PALLAS_KERNELS``) and the rows are aligned."""
+    from pallas_kernels.ordered_linear import ordered_linear_rows
+    hd = q.shape[2]
+    scores = ordered_linear_rows(q, table, rows_k, w_transposed=True, interpret=interpret)   # [T, nh, W]
+    scores = scores * jnp.float32(hd ** -0.5)
+    p = inv.bf16(inv.masked_softmax(scores, (rows_k >= 0)[:, None, :]))
+    return ordered_linear_rows(p, table, rows_v, w_transposed=False, interpret=interpret)    # [T, nh, hd]
 
 
 class DecoderLayer(nnx.Module):
@@ -203,8 +245,12 @@ class DecoderLayer(nnx.Module):
                          fault=fault, projections=idx.finish_projection(a, ik, ig, iq))
         q = inv.bf16(q).reshape(t, self.num_heads, self.head_dim)
         tables = batch["block_table_blocks"][batch["token_table_rows"]]   # [T, MB]
-        kk, vv, ok = gather_kv(cache, astr, sort_selected(sel), tables)
-        o = sparse_attention(q, kk, vv, ok)
+        chosen = sort_selected(sel)
+        if ATTENTION_FROM_ROWS and inv.kernel_for("attention") and addr.attn_rows_aligned(astr):
+            o = sparse_attention_rows(q, kv_table(cache, astr), *kv_rows(astr, chosen, tables))
+        else:
+            kk, vv, ok = gather_kv(cache, astr, chosen, tables)
+            o = sparse_attention(q, kk, vv, ok)
         x = x + inv.linear(inv.bf16(o.reshape(t, -1)), self.wo[...].T)
         m = inv.bf16(self.mlp_norm(x))
         g, u = inv.linear_multi(m, [self.w_gate[...].T, self.w_up[...].T])

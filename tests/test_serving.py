@@ -183,6 +183,33 @@ def test_kv_row_gather_equals_the_word_gather(rng):
                   by_rows=True)
 
 
+def test_attention_from_rows_equals_the_gathered_attention(rng):
+    """The sparse attention with K/V read by the contraction kernels from the cache's
+    rows (``sparse_attention_rows``, what a GPU step runs) gives the bits of the attention
+    on ``gather_kv``'s copy, for every layer, with -1 tokens, tokens past the block table
+    and block ids past the pool (no row: masked, zero)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    from glm5_jax.model import gather_kv, kv_rows, kv_table, sparse_attention, sparse_attention_rows
+    lay = MODEL_CFG.layout(NB)
+    vals = (rng.standard_normal(lay.total_bytes // 2) * 0.5).astype(ml_dtypes.bfloat16)   # finite K/V everywhere
+    cache = jnp.asarray(vals.view(np.uint32))
+    t, w, mb = 6, 40, 3
+    nh, hd = MODEL_CFG.num_heads, MODEL_CFG.head_dim
+    tokens = rng.integers(-1, mb * BS + BS // 2, (t, w)).astype(np.int32)
+    tables = rng.integers(0, NB + 2, (t, mb)).astype(np.int32)
+    q = jnp.asarray((rng.standard_normal((t, nh, hd))).astype(ml_dtypes.bfloat16))
+    for layer in range(MODEL_CFG.num_layers):
+        a = lay.attn_strides(layer, MODEL_CFG.kv_row_bytes)
+        k, v, ok = gather_kv(cache, a, jnp.asarray(tokens), jnp.asarray(tables))
+        want = np.asarray(sparse_attention(q, k, v, ok)).view(np.uint32)
+        rk, rv = kv_rows(a, jnp.asarray(tokens), jnp.asarray(tables))
+        np.testing.assert_array_equal(np.asarray(rk) >= 0, np.asarray(ok))
+        assert np.asarray(ok).any() and not np.asarray(ok).all()
+        got = np.asarray(sparse_attention_rows(q, kv_table(cache, a), rk, rv, interpret=True)).view(np.uint32)
+        np.testing.assert_array_equal(got, want, err_msg=f"layer {layer}")
+
+
 def test_step_arrays_pack_into_one_copy_per_device(rng):
     """The step's metadata goes to each device as one int32 array; unpacking it (what
     the jitted step does) gives back every field, and mismatched shards are refused."""
