@@ -97,20 +97,26 @@ def main(argv=None) -> int:
                          "(unroll 4, 64-wide tiles for the attention's scores), for an A/B")
     ap.add_argument("--word-gather", action="store_true",
                     help="the attention's K/V gathered word by word, as before session 20, for an A/B")
+    ap.add_argument("--gather-attention", action="store_true",
+                    help="the attention on a gathered K/V copy (gather_kv), as before session 21, "
+                         "instead of the contraction kernels reading the cache's rows, for an A/B")
     a = ap.parse_args(argv)
     if a.session19_contractions:                 # set before anything is traced
         import pallas_kernels.ordered_linear as ol
         ol.UNROLL, ol.TILE_COLS_TRANSPOSED = 4, 64
+    if a.word_gather or a.gather_attention:
+        from glm5_jax import model as model_mod
+        model_mod.ATTENTION_FROM_ROWS = False
     if a.word_gather:
         import functools
-        from glm5_jax import model as model_mod
         model_mod.gather_kv = functools.partial(model_mod.gather_kv, by_rows=False)
     w = simulate.preset("gpu", devices=1, **GPU_OVERRIDES)
     model = Decoder.random(w.model_config, seed=w.seed)
     eng = workload_engine(w, model, simulate.plan_num_blocks(w, model))
     print(f"profile_step: {jax.default_backend()} {jax.devices()[0].device_kind}, implementation "
           f"{eng.implementation}{', session-19 contraction launches' if a.session19_contractions else ''}"
-          f"{', K/V gathered by words' if a.word_gather else ''}",
+          f"{', K/V gathered by words' if a.word_gather else ''}"
+          f"{', attention on gathered K/V' if a.gather_attention and not a.word_gather else ''}",
           flush=True)
     out = {}
     for kind, (plans, shape, cache_row) in capture(eng, a.warm_steps).items():
