@@ -56,6 +56,9 @@ UNROLL_INTERPRET = 4       # ... in interpret mode (the CPU: a shorter loop body
 # instead of 4 makes the attention's weighted sum (K = 2,051) 1.21x faster, the LM head and
 # the indexer's q projection 1.08-1.10x; 128-wide tiles make the attention's scores
 # (w_transposed, N = 2,051) 1.59x faster. Session 5 chose (32, 64) tiles and unroll 4.
+ROWS_NUM_WARPS = 2         # ordered_linear_rows: H200, session 21 (probe_ordered_linear.py, run 4, device
+                           # spans at the step's sizes): 2 warps 1.24x (weighted sum) and 1.08x (scores)
+                           # faster than 4; 8 warps and unroll 8 / 32 slower or within 8 %
 MODES = ("bf16", "f32")
 
 
@@ -170,8 +173,8 @@ def ordered_linear(x, w, *, mode: str, interpret=None, tile=None, num_warps: int
 
 
 @functools.partial(jax.jit, static_argnames=("w_transposed", "interpret", "tile", "num_warps", "unroll"))
-def ordered_linear_rows(x, table, rows, *, w_transposed: bool, interpret=None, tile=None, num_warps: int = 4,
-                        unroll: int | None = None):
+def ordered_linear_rows(x, table, rows, *, w_transposed: bool, interpret=None, tile=None,
+                        num_warps: int = ROWS_NUM_WARPS, unroll: int | None = None):
     """``ordered_linear(x, w, mode="bf16", w_transposed=...)`` with w's rows read from a table.
 
     x [G, M, K] bf16; table [R, row_words] u32, each row 2 * row_words bf16 (element 2c
