@@ -4,6 +4,8 @@
 #                profile_step.py two ways in one run (the attention on a gathered K/V copy, as in
 #                session 20; the contraction kernels reading the cache's rows), then the notebooks
 #   PART=profile only the two profile_step.py runs
+#   PART=profile3 profile_step.py three ways in one run: the gathered K/V unpacked by shifts (session
+#                20's step), by a bitcast, and the contraction kernels reading the cache's rows
 # Logs under $OUT.   device tool: PART=all bash benchmarks/gpu_s21.sh   (carry .vectors and .whl)
 PART=${PART:-all}
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -16,6 +18,14 @@ if [ "$PART" = all ]; then
 fi
 if [ "$PART" = all ] || [ "$PART" = profile ]; then
   for v in "gathered:--gather-attention" "rows:"; do
+    name=${v%%:*}; args=${v#*:}
+    timeout "${PS_S:-100}" python3 benchmarks/profile_step.py $args --top 10 --json "$OUT/profile_$name.json" \
+      > "$OUT/profile_$name.txt" 2>&1
+    echo "rc=$?" >> "$OUT/profile_$name.txt"; grep -E "profile_step|span|all |rc=" "$OUT/profile_$name.txt"
+  done
+fi
+if [ "$PART" = profile3 ]; then
+  for v in "shift:--gather-attention --shift-unpack" "gathered:--gather-attention" "rows:"; do
     name=${v%%:*}; args=${v#*:}
     timeout "${PS_S:-100}" python3 benchmarks/profile_step.py $args --top 10 --json "$OUT/profile_$name.json" \
       > "$OUT/profile_$name.txt" 2>&1

@@ -1,5 +1,6 @@
 """Launch-shape probe of the ordered contraction kernel (pallas_kernels/ordered_linear.py)
-at the serving step's shapes (bench_scaleout's GPU workload: 2,064 step tokens).
+at the serving step's shapes (bench_scaleout's GPU workload: 2,064 step tokens), and of
+its form reading K / V rows from a table (``ordered_linear_rows``: "rows p.v", "rows q.k").
 
 Usage (GPU machine):
     PYTHONPATH=$PWD python benchmarks/probe_ordered_linear.py [--variants "4:32x64:4,16:32x64:4"] [--calls 10]
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ordered_linear import ordered_linear
+from pallas_kernels.ordered_linear import ordered_linear, ordered_linear_rows
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import trace_read as tr  # noqa: E402
@@ -34,6 +35,13 @@ SHAPES = (
     ("lm head", (2064, 512), (512, 4096), False),
     ("q_b + indexer q", (2064, 256), (256, 4608), False),
 )
+# the attention's two contractions reading K / V rows from the cache (ordered_linear_rows,
+# session 21): x shape, rows [T, W] into a table of TABLE_ROWS rows of 32 words (head_dim 64)
+ROWS_SHAPES = (
+    ("rows p.v", (2064, 8, 2051), False),
+    ("rows q.k", (2064, 8, 64), True),
+)
+TABLE_ROWS = 2 * 64 * 64 * 2          # 2 layers x 64 blocks x 64 tokens x (K, V)
 
 
 def parse_variant(v: str):
@@ -55,14 +63,25 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     ok = True
     wanted = None if a.shapes is None else set(a.shapes.split(","))
-    for name, xs, ws, wt in SHAPES:
+    cases = [(name, xs, ws, wt, False) for name, xs, ws, wt in SHAPES]
+    cases += [(name, xs, None, wt, True) for name, xs, wt in ROWS_SHAPES]
+    for name, xs, ws, wt, from_rows in cases:
         if wanted is not None and name not in wanted:
             continue
         x = jnp.asarray(rng.standard_normal(xs, np.float32), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal(ws, np.float32), jnp.bfloat16)
+        if from_rows:                   # finite bf16 pairs; about 1 % of the rows -1 (no token)
+            w = jnp.asarray((rng.standard_normal((TABLE_ROWS, 64)) * 0.1).astype(jnp.bfloat16).view(np.uint32))
+            rows = rng.integers(0, TABLE_ROWS, (xs[0], 2051)).astype(np.int32)
+            rows[rng.random(rows.shape) < 0.01] = -1
+            rows = jnp.asarray(rows)
+        else:
+            w = jnp.asarray(rng.standard_normal(ws, np.float32), jnp.bfloat16)
         ref, base = None, None
         for v in variants:
-            f = jax.jit(lambda x, w, v=v: ordered_linear(x, w, mode="bf16", w_transposed=wt, **v))
+            if from_rows:
+                f = jax.jit(lambda x, w, v=v: ordered_linear_rows(x, w, rows, w_transposed=wt, **v))
+            else:
+                f = jax.jit(lambda x, w, v=v: ordered_linear(x, w, mode="bf16", w_transposed=wt, **v))
             out = np.asarray(f(x, w))
             label = f"{v['unroll']}:{'auto' if v['tile'] is None else 'x'.join(map(str, v['tile']))}:{v['num_warps']}"
             if ref is None:

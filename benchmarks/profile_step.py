@@ -86,6 +86,15 @@ def profile(f, calls: int):
     return tr.group_calls(tr.device_events(paths[0]))
 
 
+def _shift_unpack_bf16(w):
+    """model._unpack_bf16 before session 21 (the same bits as its bitcast): [..., n] u32 ->
+    [..., 2n] bf16 by a shift, a mask and a stack."""
+    import jax.numpy as jnp
+    from jax import lax
+    h = jnp.stack([w & 0xFFFF, w >> 16], axis=-1).astype(jnp.uint16).reshape(w.shape[:-1] + (-1,))
+    return lax.bitcast_convert_type(h, jnp.bfloat16)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=10)
@@ -97,6 +106,9 @@ def main(argv=None) -> int:
                          "(unroll 4, 64-wide tiles for the attention's scores), for an A/B")
     ap.add_argument("--word-gather", action="store_true",
                     help="the attention's K/V gathered word by word, as before session 20, for an A/B")
+    ap.add_argument("--shift-unpack", action="store_true",
+                    help="with --gather-attention: the gathered words unpacked by shifts and a stack, as "
+                         "before session 21, instead of the bitcast, for an A/B")
     ap.add_argument("--gather-attention", action="store_true",
                     help="the attention on a gathered K/V copy (gather_kv), as before session 21, "
                          "instead of the contraction kernels reading the cache's rows, for an A/B")
@@ -107,6 +119,10 @@ def main(argv=None) -> int:
     if a.word_gather or a.gather_attention:
         from glm5_jax import model as model_mod
         model_mod.ATTENTION_FROM_ROWS = False
+    if a.shift_unpack:
+        if not a.gather_attention:
+            ap.error("--shift-unpack needs --gather-attention")
+        model_mod._unpack_bf16 = _shift_unpack_bf16
     if a.word_gather:
         import functools
         model_mod.gather_kv = functools.partial(model_mod.gather_kv, by_rows=False)
@@ -116,7 +132,8 @@ def main(argv=None) -> int:
     print(f"profile_step: {jax.default_backend()} {jax.devices()[0].device_kind}, implementation "
           f"{eng.implementation}{', session-19 contraction launches' if a.session19_contractions else ''}"
           f"{', K/V gathered by words' if a.word_gather else ''}"
-          f"{', attention on gathered K/V' if a.gather_attention and not a.word_gather else ''}",
+          f"{', attention on gathered K/V' if a.gather_attention and not a.word_gather else ''}"
+          f"{' unpacked by shifts' if a.shift_unpack else ''}",
           flush=True)
     out = {}
     for kind, (plans, shape, cache_row) in capture(eng, a.warm_steps).items():
