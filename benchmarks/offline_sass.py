@@ -56,13 +56,19 @@ open(out, "wb").write(k.asm["cubin"])
 
 
 def capture(fn, *args):
-    """[(name, num_warps, num_stages, ttir text)] of the Pallas kernels in fn(*args), lowered for CUDA."""
+    """[(name, num_warps, num_stages, ttir text)] of the Pallas kernels in fn(*args), lowered for CUDA.
+
+    Each Triton module is run through MLIR's verifier here (it raises on an invalid one),
+    the check the GPU's Triton compile starts with: session 21's rows kernel lowered on the
+    CPU but had an scf.for whose bounds had two types (a select of int literals typed i1),
+    which only the H200 reported."""
     from jax._src.pallas.triton import pallas_call_registration as reg
     found = []
     orig = reg.lowering.lower_jaxpr_to_triton_module
 
     def spy(*a, **kw):
         res = orig(*a, **kw)
+        res.module.operation.verify()
         caller = sys._getframe(1).f_locals                 # pallas_call_lowering's locals
         name = caller.get("name") or f"kernel{len(found)}"
         found.append((str(name), int(caller.get("num_warps", 4)), int(caller.get("num_stages", 1)),
