@@ -180,13 +180,16 @@ def test_attention_rows_kernels_compiled_equal_the_gathered_rows(rng):
     """The attention's contractions reading K / V rows from a packed table by index
     (``ordered_linear_rows``, what the serving step runs on a GPU), compiled, give the
     bits of ``ordered_linear`` on the rows gathered beforehand, at the serving step's
-    sizes (2,051 selected tokens, head_dim 64), with -1 rows (zeros)."""
+    sizes (2,051 selected tokens, head_dim 64), with -1 rows (zeros), padding tokens and
+    dead tails."""
     import ml_dtypes
     from pallas_kernels.ordered_linear import ordered_linear, ordered_linear_rows
     t, nh, hd, w, n_rows = 300, 8, 64, 2051, 5000
     kv = (rng.standard_normal((n_rows, hd)) * 0.1).astype(ml_dtypes.bfloat16)
     table = jnp.asarray(kv.view(np.uint32))                                   # [R, 32]: element 2c low half
     rows = rng.integers(-1, n_rows, (t, w)).astype(np.int32)
+    rows[:40] = -1                                  # padding tokens
+    rows[40:80, int(rng.integers(1, w)):] = -1      # dead tails (sorted selections end in -1)
     dense = jnp.asarray(np.where((rows >= 0)[..., None], kv[np.maximum(rows, 0)], 0).astype(ml_dtypes.bfloat16))
     q = jnp.asarray(rng.standard_normal((t, nh, hd)), jnp.bfloat16)
     p = jnp.asarray(rng.uniform(0, 1e-3, (t, nh, w)), jnp.bfloat16)

@@ -243,13 +243,16 @@ def test_ordered_linear_rows_equals_the_kernel_on_gathered_rows(rng):
     (``ordered_linear_rows``: the scores with the rows as w's transposed rows, the
     weighted sum with one row per step) give the bits of ``ordered_linear`` on the rows
     gathered and unpacked beforehand, for any tile and unroll (odd ones put a step's
-    half of a word at a traced parity); row ids -1 and past the table read zeros."""
+    half of a word at a traced parity); row ids -1 and past the table read zeros, also for
+    a g without live rows and for a dead tail."""
     from pallas_kernels.ordered_linear import ordered_linear, ordered_linear_rows
     g, m, words, n_rows, w_tokens = 4, 3, 8, 29, 21                        # head_dim 16
     bits = rng.integers(0, 2**32, (n_rows, words), dtype=np.uint64).astype(np.uint32)
     bits &= ~np.uint32(0x7F807F80) | np.uint32(0x3C003C00)                 # bf16 halves of modest exponent
     rows = rng.integers(-1, n_rows + 3, (g, w_tokens)).astype(np.int32)     # -1 and past the table
     rows.flat[rng.choice(rows.size, 4, replace=False)] = [-1, -1, n_rows, n_rows + 2]
+    rows[0] = -1                                        # no live row (a padding token)
+    rows[1, 10:] = rng.choice([-1, n_rows], 11)         # a dead tail (sorted selections end in -1)
     dense = _rows_operand(bits, rows)                                        # [G, W, 16] bf16
     assert np.isfinite(dense.astype(np.float32)).all()
     table = jnp.asarray(bits)
@@ -263,8 +266,8 @@ def test_ordered_linear_rows_equals_the_kernel_on_gathered_rows(rng):
         got_o = ordered_linear_rows(p, table, jnp.asarray(rows), w_transposed=False, tile=tile, unroll=unroll)
         np.testing.assert_array_equal(np.asarray(got_s).view(np.uint32), want_s, err_msg=f"scores {tile} {unroll}")
         np.testing.assert_array_equal(np.asarray(got_o).view(np.uint32), want_o, err_msg=f"sum {tile} {unroll}")
-    # lowered for CUDA (here on the CPU, as benchmarks/offline_sass.py does): the Triton
-    # lowering takes both forms (interpret mode accepts ops that it rejects)
+    # lowered for CUDA (here on the CPU, as benchmarks/offline_sass.py does) and verified by
+    # MLIR: the Triton lowering takes both forms (interpret mode accepts ops that it rejects)
     import pathlib
     import sys
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
