@@ -4,6 +4,7 @@
 #                profile_step.py two ways in one run (the attention on a gathered K/V copy, as in
 #                session 20; the contraction kernels reading the cache's rows), then the notebooks
 #   PART=profile only the two profile_step.py runs
+#   PART=check   test_gpu / test_serving / test_indexer compiled, profile_step.py (rows only), notebook 03
 #   PART=profile3 profile_step.py three ways in one run: the gathered K/V unpacked by shifts (session
 #                20's step), by a bitcast, and the contraction kernels reading the cache's rows
 # Logs under $OUT.   device tool: PART=all bash benchmarks/gpu_s21.sh   (carry .vectors and .whl)
@@ -23,6 +24,15 @@ if [ "$PART" = all ] || [ "$PART" = profile ]; then
       > "$OUT/profile_$name.txt" 2>&1
     echo "rc=$?" >> "$OUT/profile_$name.txt"; grep -E "profile_step|span|all |rc=" "$OUT/profile_$name.txt"
   done
+fi
+if [ "$PART" = check ]; then
+  timeout "${TC_S:-150}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE tests/test_gpu.py \
+    tests/test_serving.py tests/test_indexer.py > "$OUT/pytest_check.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_check.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_check.log" | tail -8
+  timeout "${PS_S:-80}" python3 benchmarks/profile_step.py --top 10 --json "$OUT/profile_rows.json" > "$OUT/profile_rows.txt" 2>&1
+  echo "rc=$?" >> "$OUT/profile_rows.txt"; grep -E "profile_step|span|all |rc=" "$OUT/profile_rows.txt"
+  timeout 60 python3 tests/scripts/run_notebook_cells.py notebooks/03_stride_bug.ipynb > "$OUT/notebooks.txt" 2>&1
+  echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
 fi
 if [ "$PART" = profile3 ]; then
   for v in "shift:--gather-attention --shift-unpack" "gathered:--gather-attention" "rows:"; do
