@@ -129,6 +129,27 @@ def _tile_side(v: int, cap: int, floor: int = 16) -> int:
     return p
 
 
+def _launch(*inputs, g: int, m: int, n: int, k: int, mode: str, wt: bool, packed: bool, name: str,
+            interpret, tile, num_warps: int, unroll):
+    """The [G * M, N] f32 result of ``_kernel`` on `inputs` (its refs but the output): the
+    unroll (None: UNROLL compiled, UNROLL_INTERPRET in interpret mode) checked, the tile
+    (None: the defaults of ``ordered_linear``) and the grid (G, M / BM, N / BN)."""
+    interpret = B.resolve_interpret(interpret)
+    unroll = (UNROLL_INTERPRET if interpret else UNROLL) if unroll is None else unroll
+    if unroll < 1:
+        raise ValueError(f"{name}: unroll must be >= 1, got {unroll}")
+    if g == 0 or m == 0 or n == 0 or k == 0:
+        return jnp.zeros((g * m, n), jnp.float32)
+    bm, bn = tile if tile is not None else (_tile_side(m, TILE_ROWS),
+                                            _tile_side(n, TILE_COLS_TRANSPOSED if wt else TILE_COLS))
+    return B.pallas_call(
+        functools.partial(_kernel, m=m, n=n, k=k, bm=bm, bn=bn, mode=mode, wt=wt, unroll=unroll, packed=packed),
+        grid=(g, -(-m // bm), -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((g * m, n), jnp.float32),
+        input_output_aliases={}, interpret=interpret, name=name, num_warps=num_warps,
+    )(*inputs)
+
+
 @functools.partial(jax.jit, static_argnames=("mode", "interpret", "tile", "num_warps", "w_transposed", "unroll"))
 def ordered_linear(x, w, *, mode: str, interpret=None, tile=None, num_warps: int = 4, w_transposed: bool = False,
                    unroll: int | None = None):
@@ -154,21 +175,10 @@ def ordered_linear(x, w, *, mode: str, interpret=None, tile=None, num_warps: int
     if w3.shape[0] != g or kw != k:
         raise ValueError(f"ordered_linear: x {x.shape} does not match w {w.shape}"
                          f"{' (transposed)' if w_transposed else ''}")
-    interpret = B.resolve_interpret(interpret)
-    unroll = (UNROLL_INTERPRET if interpret else UNROLL) if unroll is None else unroll
-    if unroll < 1:
-        raise ValueError(f"ordered_linear: unroll must be >= 1, got {unroll}")
     shape = (g, m, n) if batched else (m, n)
-    if g == 0 or m == 0 or n == 0 or k == 0:
-        return jnp.zeros(shape, jnp.float32)
-    bm, bn = tile if tile is not None else (_tile_side(m, TILE_ROWS),
-                                            _tile_side(n, TILE_COLS_TRANSPOSED if w_transposed else TILE_COLS))
-    out = B.pallas_call(
-        functools.partial(_kernel, m=m, n=n, k=k, bm=bm, bn=bn, mode=mode, wt=w_transposed, unroll=unroll),
-        grid=(g, -(-m // bm), -(-n // bn)),
-        out_shape=jax.ShapeDtypeStruct((g * m, n), jnp.float32),
-        input_output_aliases={}, interpret=interpret, name=f"ordered_linear_{mode}", num_warps=num_warps,
-    )(x3.reshape(g * m, k), w3.reshape(w3.shape[0] * w3.shape[1], w3.shape[2]))
+    out = _launch(x3.reshape(g * m, k), w3.reshape(w3.shape[0] * w3.shape[1], w3.shape[2]), g=g, m=m, n=n, k=k,
+                  mode=mode, wt=w_transposed, packed=False, name=f"ordered_linear_{mode}", interpret=interpret,
+                  tile=tile, num_warps=num_warps, unroll=unroll)
     return out.reshape(shape)
 
 
@@ -200,19 +210,7 @@ def ordered_linear_rows(x, table, rows, *, w_transposed: bool, interpret=None, t
     if rows.shape != want_rows:
         raise ValueError(f"ordered_linear_rows: rows {rows.shape} does not match x {x.shape} "
                          f"({'[G, N]' if w_transposed else '[G, K]'} expected)")
-    interpret = B.resolve_interpret(interpret)
-    unroll = (UNROLL_INTERPRET if interpret else UNROLL) if unroll is None else unroll
-    if unroll < 1:
-        raise ValueError(f"ordered_linear_rows: unroll must be >= 1, got {unroll}")
-    if g == 0 or m == 0 or n == 0 or k == 0:
-        return jnp.zeros((g, m, n), jnp.float32)
-    bm, bn = tile if tile is not None else (_tile_side(m, TILE_ROWS),
-                                            _tile_side(n, TILE_COLS_TRANSPOSED if w_transposed else TILE_COLS))
-    out = B.pallas_call(
-        functools.partial(_kernel, m=m, n=n, k=k, bm=bm, bn=bn, mode="bf16", wt=w_transposed, unroll=unroll,
-                          packed=True),
-        grid=(g, -(-m // bm), -(-n // bn)),
-        out_shape=jax.ShapeDtypeStruct((g * m, n), jnp.float32),
-        input_output_aliases={}, interpret=interpret, name="ordered_linear_rows", num_warps=num_warps,
-    )(x.reshape(g * m, k), rows.astype(jnp.int32), table)
+    out = _launch(x.reshape(g * m, k), rows.astype(jnp.int32), table, g=g, m=m, n=n, k=k, mode="bf16",
+                  wt=w_transposed, packed=True, name="ordered_linear_rows", interpret=interpret, tile=tile,
+                  num_warps=num_warps, unroll=unroll)
     return out.reshape(g, m, n)
