@@ -17,30 +17,27 @@ if [ "$PART" = all ]; then
     --deselect tests/test_triton.py::test_triton_large_cache > "$OUT/pytest_all.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_all.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_all.log" | tail -12
 fi
-if [ "$PART" = all ] || [ "$PART" = profile ]; then
-  for v in "gathered:--gather-attention" "rows:"; do
+profile_ways() {   # each argument "name:profile_step.py flags": one profile_step.py run, logs under $OUT
+  for v in "$@"; do
     name=${v%%:*}; args=${v#*:}
     timeout "${PS_S:-100}" python3 benchmarks/profile_step.py $args --top 10 --json "$OUT/profile_$name.json" \
       > "$OUT/profile_$name.txt" 2>&1
     echo "rc=$?" >> "$OUT/profile_$name.txt"; grep -E "profile_step|span|all |rc=" "$OUT/profile_$name.txt"
   done
+}
+if [ "$PART" = all ] || [ "$PART" = profile ]; then
+  profile_ways "gathered:--gather-attention" "rows:"
 fi
 if [ "$PART" = check ]; then
   timeout "${TC_S:-150}" python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-12}" -rfE tests/test_gpu.py \
     tests/test_serving.py tests/test_indexer.py > "$OUT/pytest_check.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_check.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_check.log" | tail -8
-  timeout "${PS_S:-80}" python3 benchmarks/profile_step.py --top 10 --json "$OUT/profile_rows.json" > "$OUT/profile_rows.txt" 2>&1
-  echo "rc=$?" >> "$OUT/profile_rows.txt"; grep -E "profile_step|span|all |rc=" "$OUT/profile_rows.txt"
+  profile_ways "rows:"
   timeout 60 python3 tests/scripts/run_notebook_cells.py notebooks/03_stride_bug.ipynb > "$OUT/notebooks.txt" 2>&1
   echo "rc=$?" >> "$OUT/notebooks.txt"; grep -E "NOTEBOOK|rc=" "$OUT/notebooks.txt"
 fi
 if [ "$PART" = profile3 ]; then
-  for v in "shift:--gather-attention --shift-unpack" "gathered:--gather-attention" "rows:"; do
-    name=${v%%:*}; args=${v#*:}
-    timeout "${PS_S:-100}" python3 benchmarks/profile_step.py $args --top 10 --json "$OUT/profile_$name.json" \
-      > "$OUT/profile_$name.txt" 2>&1
-    echo "rc=$?" >> "$OUT/profile_$name.txt"; grep -E "profile_step|span|all |rc=" "$OUT/profile_$name.txt"
-  done
+  profile_ways "shift:--gather-attention --shift-unpack" "gathered:--gather-attention" "rows:"
 fi
 if [ "$PART" = all ]; then
   timeout "${N_S:-150}" python3 tests/scripts/run_notebook_cells.py ${NOTEBOOKS:-} > "$OUT/notebooks.txt" 2>&1
