@@ -139,7 +139,7 @@ def _kv_slots(a, tokens, block_tables):
 def kv_rows(a, tokens, block_tables):
     """The K and V rows [T, W] i32 of request-relative tokens [T, W] in the buffer viewed
     as [rows, row_words] (``kv_table``; ``addressing.attn_rows_aligned`` layouts only),
-    -1 where a token has no row (the arguments of ``gather_kv``)."""
+    -1 where a token has no row: the rows that ``gather_kv`` reads."""
     if not addr.attn_rows_aligned(a):
         raise ValueError("kv_rows: needs addressing.attn_rows_aligned strides")
     slot, ok = _kv_slots(a, tokens, block_tables)
