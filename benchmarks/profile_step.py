@@ -2,6 +2,8 @@
 
 Usage (GPU machine):
     PYTHONPATH=$PWD python benchmarks/profile_step.py [--calls 10] [--top 25] [--json out.json]
+        [--gather-attention [--shift-unpack]] [--word-gather] [--session19-contractions]
+    (each flag puts back an earlier form of the step, for an A/B in one run: see --help)
 
 Serves bench_scaleout's GPU workload on one device (step_heads.capture: the decode-only
 step with the most decode rows and the step with the most tokens), then replays each
