@@ -161,10 +161,10 @@ class CacheLayout:
         a = self.attn_strides(layer, kv_row_bytes)
         words = np.asarray(cache).view(np.uint32)
         slot = np.arange(a.num_attn_slots, dtype=np.int64)
-        n = kv_row_bytes // WORD_BYTES
         out = []
         for half in (0, 1):
-            w = addr.attn_global_word(a, addr.attn_row_words(a, slot, half))[:, None] + np.arange(n)
+            w = (addr.attn_global_word(a, addr.attn_row_words(a, slot, half))[:, None]
+                 + np.arange(addr.attn_row_width_words(a)))
             out.append(words[w].view(np.uint8).reshape(a.num_blocks, a.block_size, kv_row_bytes))
         return tuple(out)
 

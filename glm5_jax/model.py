@@ -31,7 +31,6 @@ from flax import nnx
 from jax import lax
 
 from pallas_kernels import addressing as addr
-from pallas_kernels.strides import WORD_BYTES
 
 from . import invariant as inv
 from .config import IndexerConfig
@@ -112,10 +111,9 @@ def _unpack_bf16(w):
 def write_kv(cache, a, k, v, slots):
     """Store K, V rows [T, head_dim] bf16 at attention slots [T] (-1 = padding: no write)."""
     view = cache.reshape(addr.view_shape(a))
-    n_words = a.kv_row_bytes // WORD_BYTES
     ok = addr.attn_slot_valid(a, slots)
     s = jnp.where(ok, slots, 0)
-    iota = jnp.arange(n_words, dtype=jnp.int32)
+    iota = jnp.arange(addr.attn_row_width_words(a), dtype=jnp.int32)
     for half, rows in ((0, k), (1, v)):
         row, col = addr.attn_split_word(a, addr.attn_row_words(a, s, half)[:, None] + iota)
         row = jnp.where(ok[:, None], row, view.shape[0])                 # out of range -> dropped
@@ -148,7 +146,7 @@ def kv_rows(a, tokens, block_tables):
 
 def kv_table(cache, a):
     """The buffer as [rows, row_words] u32: one K or V row per row (``kv_rows``)."""
-    return cache.reshape(-1, a.kv_row_bytes // WORD_BYTES)
+    return cache.reshape(-1, addr.attn_row_width_words(a))
 
 
 def gather_kv(cache, a, tokens, block_tables, *, by_rows: bool | None = None):
@@ -161,12 +159,11 @@ def gather_kv(cache, a, tokens, block_tables, *, by_rows: bool | None = None):
     (session 20) the per-word form was a 2.6 ms fusion of a 15 ms serving step: its
     index arrays alone (T x W x row_words pairs) were larger than the rows."""
     slot, ok = _kv_slots(a, tokens, block_tables)
-    row_words = a.kv_row_bytes // WORD_BYTES
     by_rows = addr.attn_rows_aligned(a) if by_rows is None else by_rows
     if by_rows and not addr.attn_rows_aligned(a):
         raise ValueError("gather_kv: by_rows needs addressing.attn_rows_aligned strides")
     table = kv_table(cache, a) if by_rows else cache.reshape(addr.view_shape(a))
-    iota = jnp.arange(row_words, dtype=jnp.int32)
+    iota = None if by_rows else jnp.arange(addr.attn_row_width_words(a), dtype=jnp.int32)   # words of a row
     out = []
     for half in (0, 1):
         if by_rows:                                   # table [total_words / row_words, row_words]

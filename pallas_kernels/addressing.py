@@ -181,12 +181,17 @@ def attn_slot(a, block, row):
     return block * a.block_size + row
 
 
+def attn_row_width_words(a) -> int:
+    """Words of one K or V row (kv_row_bytes / 4)."""
+    return a.kv_row_bytes // WORD_BYTES
+
+
 def attn_row_words(a, slot, half):
     """Layer-local word offset of the K (half 0) or V (half 1) row of attention slot `slot`."""
     block, row = slot // a.block_size, slot % a.block_size
     return (block * (a.attn_block_bytes // WORD_BYTES)
-            + half * (a.block_size * a.kv_row_bytes // WORD_BYTES)
-            + row * (a.kv_row_bytes // WORD_BYTES))
+            + half * (a.block_size * attn_row_width_words(a))
+            + row * attn_row_width_words(a))
 
 
 def attn_rows_aligned(a) -> bool:
@@ -195,8 +200,7 @@ def attn_rows_aligned(a) -> bool:
     its size (the layer base and the block stride are multiples of it) and a row width
     divides the view row, so the view is a reshape. Then ``attn_row_index`` gives one index
     per row instead of one (row, col) pair per word."""
-    row_words = a.kv_row_bytes // WORD_BYTES
-    return (VIEW_COLS % row_words == 0 and a.attn_base_bytes % a.kv_row_bytes == 0
+    return (VIEW_COLS % attn_row_width_words(a) == 0 and a.attn_base_bytes % a.kv_row_bytes == 0
             and a.attn_block_bytes % a.kv_row_bytes == 0)
 
 
@@ -204,8 +208,7 @@ def attn_row_index(a, slot, half):
     """Row of the K (half 0) or V (half 1) row of attention slot `slot` in the
     ``u32[total_words // row_words, row_words]`` view (``attn_rows_aligned`` layouts only).
     Base rows + local rows: no intermediate passes 2**31 for any buffer size."""
-    row_words = a.kv_row_bytes // WORD_BYTES
-    return a.attn_base_bytes // a.kv_row_bytes + attn_row_words(a, slot, half) // row_words
+    return a.attn_base_bytes // a.kv_row_bytes + attn_row_words(a, slot, half) // attn_row_width_words(a)
 
 
 def attn_split_word(a, local_words):

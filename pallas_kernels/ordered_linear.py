@@ -29,10 +29,10 @@ enters the chain as the f32 of its bits (the bf16 -> f32 conversion), so the bit
 equal ``ordered_linear`` on the gathered rows.
 
 Reads ONLY x and w (or rows and the table's rows they name); writes ONLY out
-[G, M, N] f32 (lanes past M or N are masked). Grid: (G, ceil(M / BM), ceil(N / BN)), one [BM, BN] output tile per
-program, walking K in order, ``unroll`` steps per loop iteration (the same
-operations in the same order: the unroll only lets the loads of several steps
-be in flight together).
+[G, M, N] f32 (lanes past M or N are masked). Grid: (G, ceil(M / BM), ceil(N / BN)),
+one [BM, BN] output tile per program, walking K in order, ``unroll`` steps per loop
+iteration (the same operations in the same order: the unroll only lets the loads of
+several steps be in flight together).
 """
 from __future__ import annotations
 
