@@ -273,9 +273,9 @@ def _tracer(quick, calls):
     return span_us
 
 
-def decode(probes, rng, quick, calls=30, batches=(256, 1)):
-    """decode_update under each probe: B = 256 and 1 (4 quick), next_n 1 and 4
-    (bench_writes.decode_case), device spans against an empty kernel."""
+def decode(probes, rng, quick, calls=30, batches=(256, 1), next_ns=(1, 4)):
+    """decode_update under each probe: B = 256 and 1 (4 quick), next_n 1 and 4 (or as
+    given; bench_writes.decode_case), device spans against an empty kernel."""
     from pallas_kernels.decode_update import decode_update
     span_us = _tracer(quick, calls)
     empty = span_us(empty_launch_step, jnp.zeros((1024,), jnp.uint32))
@@ -287,7 +287,7 @@ def decode(probes, rng, quick, calls=30, batches=(256, 1)):
             us = span_us(empty_grid_step(batch, warps), jnp.zeros((1024,), jnp.uint32))
             print(f"{'empty kernel':<24}{f'{batch} programs x {warps} warps':>18}{us:>10.2f}{us / empty:>9.2f}  "
                   "launch floor of this grid", flush=True)
-        for nn in (1, 4):
+        for nn in next_ns:
             layout, _, args = bw.decode_case(rng, batch, nn)
             s = layout.strides(0)
             want = np.asarray(ops.decode_update(layout.allocate(0x5A), layout, 0, *args, implementation="xla"))
@@ -398,7 +398,7 @@ def main(argv=None):
                     help="run the probe list this many times in turn (same-run spread of each row)")
     ap.add_argument("--batches", type=int, nargs="*", default=[256, 1], help="decode batch sizes")
     ap.add_argument("--next-n", type=int, nargs="*", default=[1, 4],
-                    help="decode next_n values (--decode --profile)")
+                    help="decode next_n values (--decode)")
     ap.add_argument("--decode", action="store_true",
                     help="time decode_update (B = 256 and 1, next_n 1 and 4, device spans) instead")
     a = ap.parse_args(argv)
@@ -408,7 +408,7 @@ def main(argv=None):
     if a.decode and a.profile:
         return profile_decode(probes, rng, a.batches, a.next_n)
     if a.decode:
-        return decode(probes, rng, a.quick, a.calls, tuple(a.batches))
+        return decode(probes, rng, a.quick, a.calls, tuple(a.batches), tuple(a.next_n))
     if a.profile:
         layout, sc, pre = bw.prefill_case(rng, a.tokens[0], 64)
         args = (jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]), jnp.asarray(sc.ape),

@@ -141,6 +141,92 @@ def test_decode_update_apes_in_branch_follows_the_walk(rng):
     assert text[0] != text[1]
 
 
+WINDOW_KINDS = ("well formed", "well formed, no pool slot", "gap", "shuffled", "other tail block", "no tail slot",
+                "pool in the tail block", "padding first")
+
+
+def _window_batch(rng, layout, n, kinds):
+    """A decode batch of one request per entry of `kinds`, n tokens each. "well formed" is
+    a verify window as a scheduler sends it: consecutive positions from a random start
+    (the completing token at a random index), a random number of live tokens then
+    padding, every token stashing into its request's tail block, pool slots outside it;
+    "well formed, no pool slot" the same with the pool slots invalid (-1 or past the
+    last). Each other kind breaks one of those properties. Tail blocks 1 .. 2b (two per
+    request), pools after them, except that "pool in the tail block" completes at its
+    first token a pool whose key bytes are half of the ring row that its second token
+    stashes into (the walk writes the pool first, then the stash over it)."""
+    from pallas_kernels import addressing as addr
+    cfg, s = layout.config, layout.strides(0)
+    b, r = len(kinds), cfg.kpool
+    own = 1 + np.arange(2 * b).reshape(b, 2)
+    first_pool = (2 * b + 1) * s.pools_per_block
+    valid = first_pool + rng.permutation(s.num_pool_slots - first_pool)[:b * n].reshape(b, n)
+    pos = np.zeros((b, n), np.int64)
+    blk = np.repeat(own[:, :1], n, axis=1)
+    slot = valid.copy()
+    for i, kind in enumerate(kinds):
+        c = 0 if kind == "pool in the tail block" else rng.integers(0, n)   # the completing token, mostly
+        p0 = r * rng.integers(1, 8) + (r - 1 - c) % r
+        pos[i] = p0 + np.arange(n)
+        live = rng.integers(1, n + 1) if kind.startswith("well formed") else n
+        pos[i, live:] = -1
+        if kind == "well formed, no pool slot":
+            slot[i] = np.where(rng.random(n) < 0.5, -1, s.num_pool_slots)
+        elif kind == "gap":
+            pos[i, rng.integers(1, n):] += 1
+        elif kind == "shuffled":
+            pos[i] = pos[i, rng.permutation(n)]
+        elif kind == "other tail block":
+            blk[i, rng.integers(1, n)] = own[i, 1]
+        elif kind == "pool in the tail block":                   # its key bytes = half of token 1's ring row
+            slot[i] = own[i, 0] * s.pools_per_block + 2 * (pos[i, 1] % cfg.ring)
+            ring_row = addr.tail_row_words(s, own[i, 0], pos[i, 1] % cfg.ring, 0)
+            assert ring_row <= addr.pool_key_words(s, slot[i, 0]) < ring_row + addr.TAIL_ROW_WORDS
+        elif kind == "padding first":
+            pos[i, 0] = -1
+    tslot = blk * cfg.ring + np.maximum(pos, 0) % cfg.ring
+    for i, kind in enumerate(kinds):
+        if kind == "no tail slot":
+            tslot[i, rng.integers(0, n)] = -1 if rng.random() < 0.5 else s.num_tail_slots + 1
+    key = rng.standard_normal((b, n, 128)).astype(jnp.bfloat16)
+    gate = (3 * rng.standard_normal((b, n, 128))).astype(jnp.bfloat16)
+    return [jnp.asarray(x) for x in (key, gate)], [jnp.asarray(x, jnp.int32) for x in (slot, tslot, pos)]
+
+
+@pytest.mark.parametrize("kpool, spec, n", [(4, 0, 4), (4, 3, 2), (16, 0, 3)], ids=["R4-ring4-n4", "R4-ring8-n2",
+                                                                                   "R16-ring16-n3"])
+def test_decode_update_follows_the_walk_on_verify_windows(rng, kpool, spec, n):
+    """Both programs of the decode update on verify windows of 2 to kpool tokens, the shape
+    of every speculative decode step, give the walk's bytes:
+    windows that complete a pool at every token index, with and without a valid pool slot
+    and with padding after their live tokens, in one launch with windows that break one
+    property each. The ring starts random, so a member read from the wrong place, or a
+    stash that lands before a read of its row or before the pool write it must overwrite,
+    shows. (Session 22 tried a shorter program for the well-formed windows against this
+    test; docs/results/2026-12-02_s22_regular_windows.patch.)"""
+    from glm5_jax import reference as ref
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    from pallas_kernels import decode_update as du
+    config = IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=512 if kpool == 4 else 1536)
+    layout = CacheLayout(config, num_layers=1, num_blocks=40)
+    s = layout.strides(0)
+    raw = rng.integers(0, 256, size=layout.total_words * 4, dtype=np.uint8)
+    raw[1::2] &= 0xBF                                          # every bf16 half-word finite, |x| < 2
+    start = jnp.asarray(raw.view(np.uint32))
+    ape = jnp.asarray(rng.standard_normal((kpool, 128)), jnp.float32)
+    kinds = ["well formed"] * 6 + list(WINDOW_KINDS[1:])
+    (key, gate), (slot, tslot, pos) = _window_batch(rng, layout, n, kinds)
+    want = as_bytes(ref.decode_update_strides(start, s, key, gate, ape, slot, tslot, pos))
+    for path in du.PATHS:
+        got = as_bytes(du.decode_update(start, s, key, gate, ape, slot, tslot, pos, path=path))
+        diff = np.nonzero(got != want)[0]
+        assert diff.size == 0, f"{path}: {diff.size} bytes differ from the walk, first at byte {diff[0]}"
+    p, sl = np.asarray(pos)[:6], np.asarray(slot)[:6]
+    assert ((p >= 0) & (p % kpool == kpool - 1) & (sl >= 0)).sum() > 0, "the windows must complete pools"
+    assert (got != as_bytes(start)).sum() > 0
+
+
 def _check_odd_batches(rng, kpool, spec, **kernel_kw):
     from glm5_jax import reference as ref
     from glm5_jax.config import IndexerConfig
