@@ -149,7 +149,7 @@ def _window_batch(rng, layout, n, kinds):
     """A decode batch of one request per entry of `kinds`, n tokens each. "well formed" is
     a verify window as a scheduler sends it: consecutive positions from a random start
     (the completing token at a random index), a random number of live tokens then
-    padding, every token stashing into its request's tail block, pool slots outside it;
+    padding (all live in the first window, so at least one completes), every token stashing into its request's tail block, pool slots outside it;
     "well formed, no pool slot" the same with the pool slots invalid (-1 or past the
     last). Each other kind breaks one of those properties. Tail blocks 1 .. 2b (two per
     request), pools after them, except that "pool in the tail block" completes at its
@@ -168,7 +168,7 @@ def _window_batch(rng, layout, n, kinds):
         c = 0 if kind == "pool in the tail block" else rng.integers(0, n)   # the completing token, mostly
         p0 = r * rng.integers(1, 8) + (r - 1 - c) % r
         pos[i] = p0 + np.arange(n)
-        live = rng.integers(1, n + 1) if kind.startswith("well formed") else n
+        live = rng.integers(1, n + 1) if kind.startswith("well formed") and i > 0 else n   # the first completes
         pos[i, live:] = -1
         if kind == "well formed, no pool slot":
             slot[i] = np.where(rng.random(n) < 0.5, -1, s.num_pool_slots)
