@@ -6,7 +6,8 @@
 #                at $TOKENS tokens; the decode update at B = 256, next_n 1 and 4): the SASS opcode mix
 #                (benchmarks/_sass_summary.py) and issue / occupancy / stall metrics, as tables under $OUT
 #                (SAVE_SASS=1: also each case's whole SASS listing with counts, sass_CASE.csv.gz; CASES: a
-#                subset of the cases; COMPRESS_SHAPE: compression's tile x warps, d = default tile)
+#                subset of the cases, or decode4b1: B = 1, next_n 4; COMPRESS_SHAPE: compression's tile x
+#                warps, d = default tile)
 #   PART=shapes  trace_writes.py with launch-shape variants of both write kernels under the new
 #                Hadamard ($DECODE_VARIANTS, $COMPRESS_SHAPES; each byte-checked against the default),
 #                then the notebooks' code cells compiled
@@ -35,12 +36,15 @@ sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__
 sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,\
 smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio
+smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_drain_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,\
+lts__t_bytes.sum,sm__cycles_elapsed.max,smsp__cycles_active.max
   for CASE in ${CASES:-compress decode1 decode4}; do
     case $CASE in
       compress) ARGS="--profile --tokens ${TOKENS:-131072} --shapes ${COMPRESS_SHAPE:-dx4} --probes exact" ;;
       decode1) ARGS="--decode --profile --batches 256 --next-n 1 --probes exact" ;;
       decode4) ARGS="--decode --profile --batches 256 --next-n 4 --probes exact" ;;
+      decode4b1) ARGS="--decode --profile --batches 1 --next-n 4 --probes exact" ;;       # session 22
     esac
     timeout "${NCU_S:-150}" "$NCU" --profile-from-start off --cache-control none --clock-control none \
       --kernel-name regex:kpool --section SourceCounters --metrics "$M" -f -o "/tmp/ncu_$CASE" \

@@ -5,6 +5,7 @@
 #               first); trace_writes.py (issue 3's table); then the whole suite compiled (no
 #               sharding) and the notebooks
 #   PART=probe  only the A/B (BATCHES, NEXT_N, PROBES, REPEAT: its lists)
+#   PART=writes the write-kernel tests compiled, then the A/B
 # Logs under $OUT.   device tool: PART=all bash benchmarks/gpu_s22.sh   (carry .vectors and .whl)
 PART=${PART:-all}
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -13,6 +14,12 @@ if [ "$PART" = all ]; then
   timeout "${TD_S:-120}" python3 -m pytest -v -p no:cacheprovider -n 4 -rfE tests/test_write_kernels.py \
     > "$OUT/pytest_writes.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_writes.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_writes.log" | tail -8
+fi
+if [ "$PART" = writes ]; then      # the write-kernel tests compiled, then the A/B probe
+  timeout "${TD_S:-120}" python3 -m pytest -v -p no:cacheprovider -n 6 -rfE tests/test_write_kernels.py \
+    > "$OUT/pytest_writes.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_writes.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_writes.log" | tail -8
+  PART=probe
 fi
 if [ "$PART" = all ] || [ "$PART" = probe ]; then
   timeout "${P_S:-150}" python3 benchmarks/probe_compress.py --decode --batches ${BATCHES:-256 64 1} \
