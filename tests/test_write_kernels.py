@@ -205,16 +205,8 @@ def test_decode_update_follows_the_walk_on_verify_windows(rng, kpool, spec, n):
     shows. (Session 22 tried a shorter program for the well-formed windows against this
     test; docs/results/2026-12-02_s22_regular_windows.patch.)"""
     from glm5_jax import reference as ref
-    from glm5_jax.config import IndexerConfig
-    from glm5_jax.layout import CacheLayout
     from pallas_kernels import decode_update as du
-    config = IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=512 if kpool == 4 else 1536)
-    layout = CacheLayout(config, num_layers=1, num_blocks=40)
-    s = layout.strides(0)
-    raw = rng.integers(0, 256, size=layout.total_words * 4, dtype=np.uint8)
-    raw[1::2] &= 0xBF                                          # every bf16 half-word finite, |x| < 2
-    start = jnp.asarray(raw.view(np.uint32))
-    ape = jnp.asarray(rng.standard_normal((kpool, 128)), jnp.float32)
+    layout, s, start, ape = _random_ring_case(rng, kpool, spec, num_blocks=40)
     kinds = ["well formed"] * 6 + list(WINDOW_KINDS[1:])
     (key, gate), (slot, tslot, pos) = _window_batch(rng, layout, n, kinds)
     want = as_bytes(ref.decode_update_strides(start, s, key, gate, ape, slot, tslot, pos))
@@ -227,18 +219,23 @@ def test_decode_update_follows_the_walk_on_verify_windows(rng, kpool, spec, n):
     assert (got != as_bytes(start)).sum() > 0
 
 
-def _check_odd_batches(rng, kpool, spec, **kernel_kw):
-    from glm5_jax import reference as ref
+def _random_ring_case(rng, kpool, spec, num_blocks):
+    """(layout, strides of layer 0, a cache of random bytes whose every bf16 half-word is
+    finite, random ape rows) for a one-layer layout at kpool, with spec draft tokens."""
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
-    from pallas_kernels.decode_update import decode_update as kernel
     config = IndexerConfig(kpool=kpool, num_spec_tokens=spec, block_size=512 if kpool == 4 else 1536)
-    layout = CacheLayout(config, num_layers=1, num_blocks=12)
-    s = layout.strides(0)
+    layout = CacheLayout(config, num_layers=1, num_blocks=num_blocks)
     raw = rng.integers(0, 256, size=layout.total_words * 4, dtype=np.uint8)
     raw[1::2] &= 0xBF                                          # every bf16 half-word finite, |x| < 2
-    start = jnp.asarray(raw.view(np.uint32))
     ape = jnp.asarray(rng.standard_normal((kpool, 128)), jnp.float32)
+    return layout, layout.strides(0), jnp.asarray(raw.view(np.uint32)), ape
+
+
+def _check_odd_batches(rng, kpool, spec, **kernel_kw):
+    from glm5_jax import reference as ref
+    from pallas_kernels.decode_update import decode_update as kernel
+    layout, s, start, ape = _random_ring_case(rng, kpool, spec, num_blocks=12)
     completions = 0
     for n in ((1, 6) if kpool == 4 else (1, 2)):
         (key, gate), (slot, tslot, pos) = _odd_decode_batch(rng, layout, n)
