@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 22's device calls, one H200.
-#   PART=all    the decode kernel's tests compiled; probe_compress.py --decode A/B of the regular
-#               windows' program against the general forward program (same run, bytes checked
-#               first); trace_writes.py (issue 3's table); then the whole suite compiled (no
-#               sharding) and the notebooks
+#   PART=all    the write-kernel tests compiled; probe_compress.py --decode with $PROBES (same
+#               run, bytes checked first; this session it A/B'd two trial decode programs, whose
+#               probes went with them: docs/results/2026-12-02_s22_*.patch); trace_writes.py
+#               (issue 3's table); then the whole suite compiled (no sharding) and the notebooks
 #   PART=probe  only the A/B (BATCHES, NEXT_N, PROBES, REPEAT: its lists)
 #   PART=writes the write-kernel tests compiled, then the A/B
 # Logs under $OUT.   device tool: PART=all bash benchmarks/gpu_s22.sh   (carry .vectors and .whl)
@@ -23,7 +23,7 @@ if [ "$PART" = writes ]; then      # the write-kernel tests compiled, then the A
 fi
 if [ "$PART" = all ] || [ "$PART" = probe ]; then
   timeout "${P_S:-150}" python3 benchmarks/probe_compress.py --decode --batches ${BATCHES:-256 64 1} \
-    --next-n ${NEXT_N:-1 2 4} --probes "${PROBES:-exact,no regular windows}" --repeat "${REPEAT:-2}" \
+    --next-n ${NEXT_N:-1 2 4} --probes "${PROBES:-exact}" --repeat "${REPEAT:-2}" \
     > "$OUT/probe_decode.txt" 2>&1
   echo "rc=$?" >> "$OUT/probe_decode.txt"; cat "$OUT/probe_decode.txt"
 fi

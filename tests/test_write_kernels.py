@@ -148,10 +148,11 @@ WINDOW_KINDS = ("well formed", "well formed, no pool slot", "gap", "shuffled", "
 def _window_batch(rng, layout, n, kinds):
     """A decode batch of one request per entry of `kinds`, n tokens each. "well formed" is
     a verify window as a scheduler sends it: consecutive positions from a random start
-    (the completing token at a random index), a random number of live tokens then
-    padding (all live in the first window, so at least one completes), every token stashing into its request's tail block, pool slots outside it;
-    "well formed, no pool slot" the same with the pool slots invalid (-1 or past the
-    last). Each other kind breaks one of those properties. Tail blocks 1 .. 2b (two per
+    (the completing token at a random index), a random number of live tokens then padding
+    (all live in the first window, so at least one completes), every token stashing into
+    its request's tail block, pool slots outside it; "well formed, no pool slot" the same
+    with the pool slots invalid (-1 or past the last). Each other kind breaks one of those
+    properties. Tail blocks 1 .. 2b (two per
     request), pools after them, except that "pool in the tail block" completes at its
     first token a pool whose key bytes are half of the ring row that its second token
     stashes into (the walk writes the pool first, then the stash over it)."""
@@ -178,10 +179,12 @@ def _window_batch(rng, layout, n, kinds):
             pos[i] = pos[i, rng.permutation(n)]
         elif kind == "other tail block":
             blk[i, rng.integers(1, n)] = own[i, 1]
-        elif kind == "pool in the tail block":                   # its key bytes = half of token 1's ring row
-            slot[i] = own[i, 0] * s.pools_per_block + 2 * (pos[i, 1] % cfg.ring)
+        elif kind == "pool in the tail block":                   # its key bytes inside token 1's ring row
             ring_row = addr.tail_row_words(s, own[i, 0], pos[i, 1] % cfg.ring, 0)
-            assert ring_row <= addr.pool_key_words(s, slot[i, 0]) < ring_row + addr.TAIL_ROW_WORDS
+            block_pools = own[i, 0] * s.pools_per_block + np.arange(s.pools_per_block)
+            inside = block_pools[(addr.pool_key_words(s, block_pools) >= ring_row)
+                                 & (addr.pool_key_words(s, block_pools) < ring_row + addr.TAIL_ROW_WORDS)]
+            slot[i] = inside[0]
         elif kind == "padding first":
             pos[i, 0] = -1
     tslot = blk * cfg.ring + np.maximum(pos, 0) % cfg.ring
