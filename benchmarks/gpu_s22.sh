@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
 # Session 22's device calls, one H200.
-#   PART=all    the write-kernel tests compiled; probe_compress.py --decode with $PROBES (same
-#               run, bytes checked first; this session it A/B'd two trial decode programs, whose
-#               probes went with them: docs/results/2026-12-02_s22_*.patch); trace_writes.py
-#               (issue 3's table); then the whole suite compiled (no sharding) and the notebooks
+#   PART=all    probe_compress.py --decode with $PROBES (same run, bytes checked first; this
+#               session it A/B'd two trial decode programs, whose probes went with them:
+#               docs/results/2026-12-02_s22_*.patch); trace_writes.py (issue 3's table); then the
+#               whole suite compiled (no sharding; the write-kernel tests with it) and the notebooks
+#               (session 22's run 1 also ran tests/test_write_kernels.py alone first: twice, so gone)
 #   PART=probe  only the A/B (BATCHES, NEXT_N, PROBES, REPEAT: its lists)
 #   PART=writes the write-kernel tests compiled, then the A/B
 # Logs under $OUT.   device tool: PART=all bash benchmarks/gpu_s22.sh   (carry .vectors and .whl)
 PART=${PART:-all}
 HERE="$(cd "$(dirname "$0")" && pwd)"
 source "$HERE/_gpu_env.sh"
-if [ "$PART" = all ]; then
-  timeout "${TD_S:-120}" python3 -m pytest -v -p no:cacheprovider -n 4 -rfE tests/test_write_kernels.py \
-    > "$OUT/pytest_writes.log" 2>&1
-  echo "rc=$?" >> "$OUT/pytest_writes.log"; grep -E "FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_writes.log" | tail -8
-fi
 if [ "$PART" = writes ]; then      # the write-kernel tests compiled, then the A/B probe
   timeout "${TD_S:-120}" python3 -m pytest -v -p no:cacheprovider -n 6 -rfE tests/test_write_kernels.py \
     > "$OUT/pytest_writes.log" 2>&1
