@@ -43,7 +43,8 @@ def _run(script: str, devices: int, *args, timeout=600):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if not (ON_GPU and jax.device_count() >= devices):
-        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        env.update(XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip(),
+                   JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, str(SCRIPTS / script), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
