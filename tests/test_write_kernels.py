@@ -199,7 +199,7 @@ def _window_batch(rng, layout, n, kinds):
 @pytest.mark.parametrize("kpool, spec, n", [(4, 0, 4), (4, 3, 2), (16, 0, 2)], ids=["R4-ring4-n4", "R4-ring8-n2",
                                                                                    "R16-ring16-n2"])
 def test_decode_update_follows_the_walk_on_verify_windows(rng, kpool, spec, n):
-    """Both programs of the decode update (at kpool 16 the default one) on verify windows of
+    """Both programs of the decode update on verify windows of
     2 to kpool tokens, the shape of every speculative decode step, give the walk's bytes:
     windows that complete a pool at every token index, with and without a valid pool slot
     and with padding after their live tokens, in one launch with windows that break one
@@ -213,9 +213,7 @@ def test_decode_update_follows_the_walk_on_verify_windows(rng, kpool, spec, n):
     well = 4                                                   # well-formed windows, then one of each other kind
     (key, gate), (slot, tslot, pos) = _window_batch(rng, layout, n, ["well formed"] * well + list(WINDOW_KINDS[1:]))
     want = as_bytes(ref.decode_update_strides(start, s, key, gate, ape, slot, tslot, pos))
-    # kpool 16: the default program only, for CI time (the odd-batch test runs both there)
-    paths = du.PATHS if kpool == 4 else (du.default_path(n, kpool),)
-    for path in paths:
+    for path in du.PATHS:
         got = as_bytes(du.decode_update(start, s, key, gate, ape, slot, tslot, pos, path=path))
         diff = np.nonzero(got != want)[0]
         assert diff.size == 0, f"{path}: {diff.size} bytes differ from the walk, first at byte {diff[0]}"
