@@ -25,8 +25,11 @@ def _set_test_xla_flags():
     os.environ[_PROBED] = "1"
     flags = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
     env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
-                           capture_output=True, text=True, timeout=120)
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
+                               capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):         # no verdict: the tests run without the flag
+        return
     if probe.returncode == 0 and probe.stdout.split()[-1:] == ["cpu"]:
         os.environ["XLA_FLAGS"] = flags
         os.environ[_PROBED] = "set"
