@@ -12,6 +12,7 @@ import tempfile
 # the same results: the suite took 545 s against 790 s in two workers (session 23, the
 # same tests passing both ways), the engine's step running no slower. Lower LLVM
 # optimization levels compile faster still but run the engine's steps 2-10x slower.
+# test_write_bytes_do_not_depend_on_the_cpu_emitters holds the writes' bytes equal under both.
 # Set only where a probe process shows the backend is the CPU and this jax accepts the
 # flag (an unknown XLA flag aborts the process); the xdist workers, the notebooks'
 # kernels and the sharding scripts inherit it through the environment.

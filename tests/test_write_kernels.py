@@ -344,3 +344,28 @@ def test_backend_rejects_a_non_boolean_mask():
         np.testing.assert_array_equal(np.asarray(run(op, jnp.bool_))[0], [7.0] * 4 + [0.0] * 4)
         with pytest.raises(TypeError, match="mask must be boolean"):
             run(op, jnp.int32)
+
+
+def test_write_bytes_do_not_depend_on_the_cpu_emitters(rng):
+    """tests/conftest.py compiles the CPU tests with XLA's legacy CPU emitters (faster to
+    compile); users' processes use XLA's default fusion emitters. The spec's writes must
+    give the same bytes under both: one random workload through the XLA reference and the
+    interpret-mode kernels, hashed here and in a process without the flag."""
+    import os
+    import subprocess
+    import sys
+    import conftest
+    if os.environ.get(conftest._PROBED) != "set":
+        pytest.skip("this process runs XLA's default emitters (conftest set no flag): nothing to compare")
+    import pathlib
+    script = pathlib.Path(__file__).parent / "scripts" / "write_digest.py"
+    sys.path.insert(0, str(script.parent))
+    from write_digest import digest
+    seed = int(rng.integers(0, 2**31))
+    flags = os.environ["XLA_FLAGS"].replace(conftest.TEST_XLA_FLAGS, "").strip()
+    env = dict(os.environ, XLA_FLAGS=flags)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)     # its own compiles: nothing from this run's shared cache
+    r = subprocess.run([sys.executable, str(script), str(seed)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == digest(seed), f"seed {seed}: the default emitters wrote other bytes"
