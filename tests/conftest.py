@@ -17,13 +17,13 @@ import tempfile
 # flag (an unknown XLA flag aborts the process); the xdist workers, the notebooks'
 # kernels and the sharding scripts inherit it through the environment.
 TEST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
-_PROBED = "GLM5_TEST_XLA_FLAGS_PROBED"
+FLAGS_PROBED_ENV = "GLM5_TEST_XLA_FLAGS_PROBED"
 
 
 def _set_test_xla_flags():
-    if os.environ.get(_PROBED):
+    if os.environ.get(FLAGS_PROBED_ENV):
         return
-    os.environ[_PROBED] = "1"
+    os.environ[FLAGS_PROBED_ENV] = "1"
     flags = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
     env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     try:
@@ -33,7 +33,7 @@ def _set_test_xla_flags():
         return
     if probe.returncode == 0 and probe.stdout.split()[-1:] == ["cpu"]:
         os.environ["XLA_FLAGS"] = flags
-        os.environ[_PROBED] = "set"
+        os.environ[FLAGS_PROBED_ENV] = "set"
 
 
 _set_test_xla_flags()

@@ -76,6 +76,16 @@ def test_decode_update_moves_row_bits_exactly(rng):
     assert any(neg_zero), "the case must hold -0.0 keys"
 
 
+def _tail_slots(blk, pos, cfg):
+    """[b, n] tail slots of tokens at positions pos [b, n] stashing into tail blocks blk
+    [b, n] (one block per token, not per request), through metadata.tail_slot_mapping.
+    Padding tokens (pos < 0) keep the slot of position 0, so a kernel must skip them by
+    their position, not by an invalid slot."""
+    from glm5_jax import metadata as md
+    b, n = pos.shape
+    return md.tail_slot_mapping(np.maximum(pos, 0).ravel(), np.arange(b * n), np.ravel(blk), cfg).reshape(b, n)
+
+
 def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
     """A decode batch that no scheduler sends but the walk still defines: positions
     repeated, out of order and padded (-1, -7); tail slots that point at either of the
@@ -93,7 +103,7 @@ def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
     pos[2, n - 1] = -7
     own = 1 + np.arange(b * blocks_per_request).reshape(b, blocks_per_request)
     blk = own[np.arange(b)[:, None], rng.integers(0, blocks_per_request, size=(b, n))]
-    tslot = blk * cfg.ring + np.maximum(pos, 0) % cfg.ring
+    tslot = _tail_slots(blk, pos, cfg)
     odd = rng.random((b, n))
     tslot[odd < 0.1] = -1
     tslot[(odd >= 0.1) & (odd < 0.15)] = s.num_tail_slots + 3
@@ -180,14 +190,14 @@ def _window_batch(rng, layout, n, kinds):
         elif kind == "other tail block":
             blk[i, rng.integers(1, n)] = own[i, 1]
         elif kind == "pool in the tail block":                   # its key bytes inside token 1's ring row
-            ring_row = addr.tail_row_words(s, own[i, 0], pos[i, 1] % cfg.ring, 0)
+            ring_row_words = addr.tail_row_words(s, own[i, 0], pos[i, 1] % cfg.ring, 0)
             block_pools = own[i, 0] * s.pools_per_block + np.arange(s.pools_per_block)
-            inside = block_pools[(addr.pool_key_words(s, block_pools) >= ring_row)
-                                 & (addr.pool_key_words(s, block_pools) < ring_row + addr.TAIL_ROW_WORDS)]
+            inside = block_pools[(addr.pool_key_words(s, block_pools) >= ring_row_words)
+                                 & (addr.pool_key_words(s, block_pools) < ring_row_words + addr.TAIL_ROW_WORDS)]
             slot[i] = inside[0]
         elif kind == "padding first":
             pos[i, 0] = -1
-    tslot = blk * cfg.ring + np.maximum(pos, 0) % cfg.ring
+    tslot = _tail_slots(blk, pos, cfg)
     for i, kind in enumerate(kinds):
         if kind == "no tail slot":
             tslot[i, rng.integers(0, n)] = -1 if rng.random() < 0.5 else s.num_tail_slots + 1
@@ -355,7 +365,7 @@ def test_write_bytes_do_not_depend_on_the_cpu_emitters(rng):
     import subprocess
     import sys
     import conftest
-    if os.environ.get(conftest._PROBED) != "set":
+    if os.environ.get(conftest.FLAGS_PROBED_ENV) != "set":
         pytest.skip("this process runs XLA's default emitters (conftest set no flag): nothing to compare")
     import pathlib
     script = pathlib.Path(__file__).parent / "scripts" / "write_digest.py"
