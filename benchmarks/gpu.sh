@@ -9,6 +9,7 @@
 #   notebooks     N_S=100   the notebooks' code cells (tests/scripts/run_notebook_cells.py)
 #   writes        TW_S=120  benchmarks/trace_writes.py: issue 3's table of the write kernels' device times
 #   decode-probe  P_S=150   benchmarks/probe_compress.py --decode: the decode update under A/B probes
+#   compress-probe CP_S=150 benchmarks/probe_compress.py: the compression kernel under A/B probes
 #   large-cache   L_S=90    tests/test_triton.py::test_triton_large_cache alone (3 and 9 GiB Triton caches)
 #   ncu           NCU_S=150 Nsight Compute on the write kernels: SASS opcode mix, issue / occupancy / stall metrics
 #   pipes         PIPES_S=150  Nsight Compute's per-pipe counts of the compression and decode-update kernels
@@ -21,6 +22,8 @@
 #   tests: XDIST [12] -> pytest_all.log. writes-tests -> pytest_writes.log. large-cache -> pytest_large.log.
 #   notebooks: NOTEBOOKS [all] -> notebooks.txt. writes: WRITES_ARGS (more trace_writes.py flags) -> writes.txt.
 #   decode-probe: PROBES [exact], BATCHES [256 64 1], NEXT_N [1 2 4], REPEAT [2] -> decode-probe.txt.
+#   compress-probe: CPROBES [exact], CTOKENS [32768 131072], CSHAPES [4x2] (tile x warps, ","), REPEAT [2]
+#     -> compress-probe.txt.
 #   ncu (per case in CASES [compress decode1 decode4]; decode1 / decode4: B = 256, next_n 1 / 4; decode4b1: B = 1,
 #     next_n 4; compress: TOKENS [131072] tokens, COMPRESS_SHAPE [dx2] tile x warps, d = the default tile):
 #     SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*. pipes (compression 4 x 2 at 128k tokens, decode
@@ -35,7 +38,7 @@
 # then "GPU RUN: passed" (every rc 0) or "GPU RUN: failed". The device tool brings back 8 files: past
 # 7, every log is packed into $OUT/a_logs.tgz, and only the archive, the pytest logs, writes.txt and
 # notebooks.txt stay beside it. Sharding and scale-out: bash benchmarks/gpu_session.sh on nvidia-h200-x2.
-ALL_STEPS="tests writes-tests notebooks writes decode-probe large-cache ncu pipes floor shapes read"
+ALL_STEPS="tests writes-tests notebooks writes decode-probe compress-probe large-cache ncu pipes floor shapes read"
 ALL_STEPS+=" step-profile olprobe"
 STEPS=${STEPS:-tests notebooks writes}
 
@@ -75,6 +78,11 @@ step_decode_probe() {
   timed "${P_S:-150}" decode-probe.txt python3 benchmarks/probe_compress.py --decode --batches ${BATCHES:-256 64 1} \
     --next-n ${NEXT_N:-1 2 4} --probes "${PROBES:-exact}" --repeat "${REPEAT:-2}"
   local rc=$?; quiet_tail decode-probe.txt 40; return $rc
+}
+step_compress_probe() {
+  timed "${CP_S:-150}" compress-probe.txt python3 benchmarks/probe_compress.py --tokens ${CTOKENS:-32768 131072} \
+    --shapes "${CSHAPES:-4x2}" --probes "${CPROBES:-exact}" --repeat "${REPEAT:-2}"
+  local rc=$?; quiet_tail compress-probe.txt 30; return $rc
 }
 step_large_cache() {
   timed "${L_S:-90}" pytest_large.log python3 -m pytest -v -p no:cacheprovider -rfE \

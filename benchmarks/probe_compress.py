@@ -51,11 +51,12 @@ import trace_writes as tw  # noqa: E402
 from _timing import empty_grid_step, empty_launch_step  # noqa: E402
 
 
-def hadamard128_unstack(x):
+def hadamard128_unstack(x, zero_plus=None):
     """hadamard128 in session 13's constant-geometry order (each stage moves the pairs
     into a new order) with the pairs taken apart by lax.unstack (a Triton split) like
     the shipped in-place form. Tried in session 14 (run 2): as fast as the in-place form
-    in the compression kernel, 2-3 % slower in the decode update."""
+    in the compression kernel, 2-3 % slower in the decode update. zero_plus (the kernels'
+    one-instruction -0 -> +0 since session 17) is ignored: this form keeps its select."""
     lead = x.shape[:-1]
     u = jax.lax.bitcast_convert_type(x, jnp.uint32)
     x = jax.lax.bitcast_convert_type(jnp.where(u == np.uint32(0x80000000), np.uint32(0), u), jnp.float32)
@@ -66,7 +67,7 @@ def hadamard128_unstack(x):
     return x
 
 
-def pack_fp8_words_unstack(q8):
+def pack_fp8_words_unstack(q8, keep_parts=False):
     """pack_fp8_words by two pairings: bytes (2j, 2j+1) -> halfword j, halfwords (2w, 2w+1)
     -> word w (byte 4w+i at bits 8i, the same words). Tried in session 14 (run 2, with the
     bf16 forms below as "words by unstack"): no change in the compression, the decode
@@ -76,14 +77,14 @@ def pack_fp8_words_unstack(q8):
     lo, hi = jax.lax.unstack(b.reshape(lead + (64, 2)), axis=-1)
     h = lo | (hi << 8)                                                                # [..., 64]
     lo, hi = jax.lax.unstack(h.reshape(lead + (32, 2)), axis=-1)
-    return lo | (hi << 16)                                                            # [..., 32]
+    return nm._words(lo | (hi << 16), keep_parts, 4)                                  # [..., 32] (keep_parts: [..., 32, 4])
 
 
-def pack_bf16_words_unstack(x):
+def pack_bf16_words_unstack(x, keep_parts=False):
     lead = x.shape[:-1]
     h = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     lo, hi = jax.lax.unstack(h.reshape(lead + (64, 2)), axis=-1)
-    return lo | (hi << 16)
+    return nm._words(lo | (hi << 16), keep_parts, 2)
 
 
 def unpack_bf16_words_stack(w):
@@ -165,7 +166,7 @@ def _without_mul(f, n, keep=()):
     return lambda *a, **kw: f(*a[:n], **{k: kw[k] for k in keep if k in kw})
 
 
-def _no_hadamard(x):
+def _no_hadamard(x, zero_plus=None):
     return x
 
 
@@ -177,11 +178,43 @@ def _no_pool_arithmetic(keys, gates, ape_rows, **kernel_numerics):
     return jnp.clip(k, -nm.FP8_MAX, nm.FP8_MAX).astype(nm.FP8), jnp.max(k, axis=-1)
 
 
+def _kernel_unmasked_gathers(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
+                              s, t_total, tile_pools, interpret):
+    """pool_compress._kernel with its member gathers unmasked (the same bytes): every
+    lane's member rows are in [0, t_total) once row is clamped to >= kpool - 1, so the
+    loads are in bounds, and a lane without a pool gathers rows 0 .. kpool - 1 that it
+    never stores. Drops the masked loads' zero fill."""
+    r = s.kpool
+    w_rows = tile_pools * r
+    p = pb.program_id(0)
+    i = p * w_rows + jax.lax.broadcasted_iota(jnp.int32, (w_rows,), 0)
+    in_range = i < t_total
+    sl = pb.load(slot_ref.at[jnp.minimum(i, t_total - 1)], mask=in_range, other=-1)
+    done = in_range & (i >= r - 1) & pa.pool_slot_valid(s, sl)
+    di = done.astype(jnp.int32)
+    rank = jnp.cumsum(di) - di
+    lane = jax.lax.broadcasted_iota(jnp.int32, (tile_pools, w_rows), 0)
+    hit = done[None, :] & (rank[None, :] == lane)
+    row = jnp.max(jnp.where(hit, i[None, :], -1), axis=1)
+    valid = row >= 0
+    loc = jnp.max(jnp.where(hit, sl[None, :], 0), axis=1)
+    row = jnp.maximum(row, r - 1)
+    col = jax.lax.broadcasted_iota(jnp.int32, (tile_pools, nm.HEAD_DIM), 1)
+    keys, gates = [], []
+    for j in range(r):
+        member = (row - (r - 1) + j)[:, None] + 0 * col
+        keys.append(key_ref[member, col])
+        gates.append(gate_ref[member, col])
+    apes = [ape_ref[j, :] for j in range(r)]
+    q8, scale = nm.compress_pool(keys, gates, apes, **pb.kernel_numerics(tab_ref, interpret))
+    pc._store_pools(cache_ref, s, loc, valid, q8, scale)
+
+
 PROBES = {
     "exact": {},
     # candidate forms with the same bits as "exact" (checked before timing)
     "e4m3 from bit ops": {"e4m3_bits": session12_e4m3_bits},       # sessions 1-12
-    "session-13 hadamard": {"hadamard128": session13_hadamard128},  # sessions 1-13
+    "session-13 hadamard": {"hadamard128": lambda x, zero_plus=None: session13_hadamard128(x)},  # sessions 1-13
     "hadamard unstack": {"hadamard128": hadamard128_unstack},
     "words by unstack": {"pack_fp8_words": pack_fp8_words_unstack, "pack_bf16_words": pack_bf16_words_unstack,
                          "unpack_bf16_words": unpack_bf16_words_stack},
@@ -225,12 +258,13 @@ PROBES = {
     "all cheap": {"exp_nonpositive_f32": _fast_exp, "recip_f32": _fast_recip, "mac": _plain_mac,
                   "mac_bf16": _plain_mac, "hadamard128": _no_hadamard},
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
+    "unmasked gathers": {"pool_compress._kernel": _kernel_unmasked_gathers},
 }
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
              "session-14 pooling", "ring keys unguarded", "all session-14", "stash last", "mul by rounded",
              "exp power by multiply", "session-15 numerics", "session-16 kernel ops", "apes in branch",
              "apes at start", "knockout", "four exps", "words in parent",
-             "stores by words", "session-17 decode", "ring by element")
+             "stores by words", "session-17 decode", "ring by element", "unmasked gathers")
 
 
 _MODULES = {"pool_compress": pc, "decode_update": du, "_backend": pb}

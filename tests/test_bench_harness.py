@@ -145,3 +145,35 @@ def test_write_byte_counts():
     assert bw.compress_bytes(4096, 1024) == 4096 * (256 + 256 + 4) + 1024 * (128 + 4)
     assert bw.seed_bytes(4096, 64, 4) == 4096 * 4 + 64 * 4 * 2 * 256 * 2
     assert bw.decode_bytes(256, 4, 256, 4) == 256 * 4 * (2 * 256 + 12 + 2 * 256) + 256 * (3 * 2 * 256 + 132)
+
+
+def test_every_write_probe_traces_against_the_shipped_kernels():
+    """benchmarks/probe_compress.py swaps functions of the write kernels for older or
+    cheaper forms by name. When a shipped function gains an argument, a stale probe
+    only fails on the GPU, in the middle of a device run (four did, sessions 17-23).
+    Trace each probe into the compression kernel and both decode programs' shapes
+    (next_n 1 and 4), abstractly: no compilation, about 10 s for all of them."""
+    import numpy as np
+    import bench_writes as bw
+    import probe_compress as pc
+    from pallas_kernels.decode_update import decode_update
+    from pallas_kernels.pool_compress import compress_prefill
+    rng = np.random.default_rng()
+    layout, sc, pre = bw.prefill_case(rng, 64, 2)
+    s = layout.strides(0)
+    cargs = tuple(jnp.asarray(a) for a in (pre["key"], pre["gate"], sc.ape, pre["slot_mapping"]))
+    cases = [(layout, s, compress_prefill, cargs)]
+    for nn in (1, 4):
+        lay, _, dargs = bw.decode_case(rng, 2, nn)
+        cases.append((lay, lay.strides(0), decode_update, dargs))
+    failed = []
+    for name, patch in pc.PROBES.items():
+        with pc.patched(patch):
+            for lay, strides, kernel, args in cases:
+                try:
+                    out = jax.eval_shape(lambda c, *x: kernel(c, strides, *x, interpret=True), lay.allocate(0), *args)
+                    assert out.shape == (lay.total_words,), out.shape
+                except Exception as e:          # noqa: BLE001 - collect every stale probe, then fail once
+                    failed.append(f"{name} / {kernel.__name__} {args[0].shape}: {type(e).__name__}: {e}"[:300])
+    assert not failed, "\n".join(failed)
+    assert set(pc.SAME_BITS) <= set(pc.PROBES), set(pc.SAME_BITS) - set(pc.PROBES)
