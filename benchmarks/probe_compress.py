@@ -172,8 +172,11 @@ def _no_hadamard(x, zero_plus=None):
 
 def _no_pool_arithmetic(keys, gates, ape_rows, **kernel_numerics):
     """compress_pool's shapes with none of its work: the newest member's key as the fp8
-    row, its largest element as the scale (the kernel's loads and stores stay; a
-    reduction, since the Pallas Triton lowering has no slice)."""
+    row, its largest element as the scale (a reduction, since the Pallas Triton lowering
+    has no slice). The stores stay; loads whose values nothing uses any more (the gates,
+    the older members, in the decode update their ring rows) may be dropped by the
+    compiler, so this times a lower bound of the kernel's memory work: at 128k tokens
+    the compression took 8.83 us, faster than a copy of its inputs (session 13)."""
     k = keys[-1].astype(jnp.float32)
     return jnp.clip(k, -nm.FP8_MAX, nm.FP8_MAX).astype(nm.FP8), jnp.max(k, axis=-1)
 
