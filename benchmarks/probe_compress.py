@@ -181,38 +181,6 @@ def _no_pool_arithmetic(keys, gates, ape_rows, **kernel_numerics):
     return jnp.clip(k, -nm.FP8_MAX, nm.FP8_MAX).astype(nm.FP8), jnp.max(k, axis=-1)
 
 
-def _kernel_unmasked_gathers(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref, *,
-                              s, t_total, tile_pools, interpret):
-    """pool_compress._kernel with its member gathers unmasked (the same bytes): every
-    lane's member rows are in [0, t_total) once row is clamped to >= kpool - 1, so the
-    loads are in bounds, and a lane without a pool gathers rows 0 .. kpool - 1 that it
-    never stores. Drops the masked loads' zero fill."""
-    r = s.kpool
-    w_rows = tile_pools * r
-    p = pb.program_id(0)
-    i = p * w_rows + jax.lax.broadcasted_iota(jnp.int32, (w_rows,), 0)
-    in_range = i < t_total
-    sl = pb.load(slot_ref.at[jnp.minimum(i, t_total - 1)], mask=in_range, other=-1)
-    done = in_range & (i >= r - 1) & pa.pool_slot_valid(s, sl)
-    di = done.astype(jnp.int32)
-    rank = jnp.cumsum(di) - di
-    lane = jax.lax.broadcasted_iota(jnp.int32, (tile_pools, w_rows), 0)
-    hit = done[None, :] & (rank[None, :] == lane)
-    row = jnp.max(jnp.where(hit, i[None, :], -1), axis=1)
-    valid = row >= 0
-    loc = jnp.max(jnp.where(hit, sl[None, :], 0), axis=1)
-    row = jnp.maximum(row, r - 1)
-    col = jax.lax.broadcasted_iota(jnp.int32, (tile_pools, nm.HEAD_DIM), 1)
-    keys, gates = [], []
-    for j in range(r):
-        member = (row - (r - 1) + j)[:, None] + 0 * col
-        keys.append(key_ref[member, col])
-        gates.append(gate_ref[member, col])
-    apes = [ape_ref[j, :] for j in range(r)]
-    q8, scale = nm.compress_pool(keys, gates, apes, **pb.kernel_numerics(tab_ref, interpret))
-    pc._store_pools(cache_ref, s, loc, valid, q8, scale)
-
-
 PROBES = {
     "exact": {},
     # candidate forms with the same bits as "exact" (checked before timing)
@@ -261,13 +229,12 @@ PROBES = {
     "all cheap": {"exp_nonpositive_f32": _fast_exp, "recip_f32": _fast_recip, "mac": _plain_mac,
                   "mac_bf16": _plain_mac, "hadamard128": _no_hadamard},
     "no pool arithmetic": {"compress_pool": _no_pool_arithmetic},
-    "unmasked gathers": {"pool_compress._kernel": _kernel_unmasked_gathers},
 }
 SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unstack", "words by unstack",
              "session-14 pooling", "ring keys unguarded", "all session-14", "stash last", "mul by rounded",
              "exp power by multiply", "session-15 numerics", "session-16 kernel ops", "apes in branch",
              "apes at start", "knockout", "four exps", "words in parent",
-             "stores by words", "session-17 decode", "ring by element", "unmasked gathers")
+             "stores by words", "session-17 decode", "ring by element")
 
 
 _MODULES = {"pool_compress": pc, "decode_update": du, "_backend": pb}
