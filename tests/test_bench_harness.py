@@ -152,7 +152,7 @@ def test_every_write_probe_traces_against_the_shipped_kernels():
     cheaper forms by name. When a shipped function gains an argument, a stale probe
     only fails on the GPU, in the middle of a device run (five did, sessions 17-23).
     Trace each probe into the compression kernel and both decode programs' shapes
-    (next_n 1 and 4), abstractly: no compilation, about 10 s for all of them."""
+    (next_n 1 and 4), abstractly: no compilation, about 15 s for all of them."""
     import numpy as np
     import bench_writes as bw
     import probe_compress as pc
