@@ -89,7 +89,7 @@ def _empty_kernel(x_ref, o_ref):
 
 def empty_launch_step(s):
     """s -> s through an empty Pallas kernel of one program (s aliased, nothing written)."""
-    from pallas_kernels import _backend as B
+    from pallas_kernels.core import backend as B
     return B.pallas_call(_empty_kernel, grid=(1,), out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),
                          input_output_aliases={0: 0}, interpret=None, name="empty", num_warps=1)(s)
 
@@ -98,7 +98,7 @@ def empty_grid_step(programs: int, num_warps: int):
     """s -> s through an empty Pallas kernel of `programs` programs of `num_warps` warps:
     the launch floor of a kernel with that grid (the decode update's: one program per
     request)."""
-    from pallas_kernels import _backend as B
+    from pallas_kernels.core import backend as B
 
     def step(s):
         return B.pallas_call(_empty_kernel, grid=(programs,), out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),

@@ -278,7 +278,7 @@ def bench_sweep(cfg, batch, ctx_tokens, topk_case, reps, trials, quick, which=("
     """Launch shapes of the paged-logits and top-k kernels (those in `which`), each
     checked against the XLA reference before it is timed (a wrong variant is
     reported, not timed)."""
-    from pallas_kernels import paged_logits as plg
+    from pallas_kernels.read import paged_logits as plg
     from pallas_kernels import topk as tk
     rows = []
     for v in (() if "logits" not in which else LOGITS_SWEEP[:2] if quick else LOGITS_SWEEP):

@@ -28,8 +28,8 @@ from _timing import _empty_kernel, time_chain  # noqa: E402
 import tune_writes as tw  # noqa: E402
 from bench_writes import staggered_starts  # noqa: E402
 from glm5_jax import ops  # noqa: E402
-from pallas_kernels import _backend as B  # noqa: E402
-from pallas_kernels import addressing as addr  # noqa: E402
+from pallas_kernels.core import addressing as addr  # noqa: E402
+from pallas_kernels.core import backend as B  # noqa: E402
 
 
 def _nothing(*refs):

@@ -122,8 +122,8 @@ def cases():
     try:
         import bench_writes as bw
         import numpy as np
-        from pallas_kernels.pool_compress import compress_prefill
-        from pallas_kernels.decode_update import decode_update
+        from pallas_kernels.writes.pool_compress import compress_prefill
+        from pallas_kernels.writes.decode_update import decode_update
         layout, sc, pre = bw.prefill_case(np.random.default_rng(0), 4096, 4)
         sw = layout.strides(0)
         pargs = (layout.allocate(0), jnp.asarray(pre["key"]), jnp.asarray(pre["gate"]), jnp.asarray(sc.ape),
@@ -141,7 +141,7 @@ def cases():
     try:
         import bench_read as br
         from glm5_jax.config import IndexerConfig
-        from pallas_kernels.paged_logits import paged_logits
+        from pallas_kernels.read.paged_logits import paged_logits
         cfg = IndexerConfig()
         layout, cache, table, key, heads = br.read_case(cfg, 2, 4096)
         q8, w = br.queries(key, 2, 1, heads)
@@ -149,13 +149,13 @@ def cases():
         s = layout.strides(0)
         out["logits-decode"] = (lambda c, q, w_, t, cx: paged_logits(c, s, q, w_, t, cx, interpret=False),
                                 (cache, q8, w, table, ctx))
-        from pallas_kernels.paged_logits import Tuning
+        from pallas_kernels.read.paged_logits import Tuning
         q4, w4 = br.queries(key, 2, 4, heads)         # 4 rows x 32 heads: the 128-row dot of prefill
         ctx4 = jnp.full((2, 4), 1024, jnp.int32)
         for form in ("fp8", "f16"):
             out[f"logits-rows4-{form}"] = (lambda c, q, w_, t, cx, form=form: paged_logits(
                 c, s, q, w_, t, cx, interpret=False, tune=Tuning(dot=form)), (cache, q4, w4, table, ctx4))
-        from pallas_kernels.paged_topk import paged_topk
+        from pallas_kernels.read.paged_topk import paged_topk
         layout8, cache8, table8, key8, _ = br.read_case(cfg, 1, 32768)
         q8p, w8p = br.queries(key8, 1, 256, heads)               # 256 prefill rows at 8k pools
         ctx8 = jnp.full((1, 256), 8192, jnp.int32)

@@ -5,8 +5,8 @@ keep every bit, timed in one run.
 Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/probe_compress.py [--tokens 32768 131072]
                       [--probes exact,...] [--decode] [--quick]
 
-Each variant patches functions of ``pallas_kernels.numerics`` (or, named
-``pool_compress.f`` / ``decode_update.f`` / ``_backend.f``, helpers of those kernel
+Each variant patches functions of ``pallas_kernels.core.numerics`` (or, named
+``pool_compress.f`` / ``decode_update.f`` / ``backend.f``, helpers of those kernel
 files and the backend; the kernel bodies look them up at trace time) and clears JAX's caches. Every call is timed as a device span
 from a profiler trace, queued behind a busy kernel (trace_writes.py's method; off the
 GPU, host wall time), against a 1 GiB copy and an empty kernel traced the same way.
@@ -37,12 +37,12 @@ import numpy as np
 from glm5_jax import ops
 from glm5_jax.testing import (session7_exp_f32, session12_e4m3_bits, session12_exp_f32, session12_mac_bf16,
                               session12_recip_f32, session13_hadamard128, session14_compress_pool)
-from pallas_kernels import _backend as pb
-from pallas_kernels import addressing as pa
-from pallas_kernels import decode_update as du
-from pallas_kernels import numerics as nm
-from pallas_kernels import pool_compress as pc
-from pallas_kernels.pool_compress import compress_prefill
+from pallas_kernels.core import addressing as pa
+from pallas_kernels.core import backend as pb
+from pallas_kernels.core import numerics as nm
+from pallas_kernels.writes import decode_update as du
+from pallas_kernels.writes import pool_compress as pc
+from pallas_kernels.writes.pool_compress import compress_prefill
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_writes as bw  # noqa: E402
@@ -107,7 +107,7 @@ def _exp_nonpositive_s15(d, lookup=None, mul=None):
 
 
 def _kernel_numerics_s16(tab_ref, interpret):
-    """_backend.kernel_numerics as in session 16: the table lookup and mul_rn only (the
+    """backend.kernel_numerics as in session 16: the table lookup and mul_rn only (the
     integer bf16 rounding, the -0 select and the clip: the same bytes)."""
     return dict(exp_lookup=pb.table_lookup(tab_ref), mul=pb.mul_rn(interpret))
 
@@ -116,7 +116,7 @@ _KERNEL_NUMERICS = pb.kernel_numerics
 
 
 def _kernel_numerics_knockout(tab_ref, interpret):
-    """_backend.kernel_numerics with the pooling's weights by the knockout (three exps;
+    """backend.kernel_numerics with the pooling's weights by the knockout (three exps;
     the same bytes): what session 18 run 1 timed in compression."""
     return dict(_KERNEL_NUMERICS(tab_ref, interpret), weights=nm.softmax_weights_knockout)
 
@@ -198,14 +198,14 @@ PROBES = {
     "all session-14": {"compress_pool": _without_mul(session14_compress_pool, 3, keep=("exp_lookup",)),
                        "decode_update._keys_before_exps": _unguarded},
     # session 15's forms of what session 16 changed (each the same bytes)
-    "mul by rounded": {"_backend.mul_rn": lambda interpret: None},
+    "mul by rounded": {"backend.mul_rn": lambda interpret: None},
     "exp power by multiply": {"exp_nonpositive_f32": _exp_nonpositive_s15},
-    "session-15 numerics": {"_backend.mul_rn": lambda interpret: None, "exp_nonpositive_f32": _exp_nonpositive_s15},
+    "session-15 numerics": {"backend.mul_rn": lambda interpret: None, "exp_nonpositive_f32": _exp_nonpositive_s15},
     # session 16's forms of session 17's kernel-only operations (the same bytes)
-    "session-16 kernel ops": {"_backend.kernel_numerics": _kernel_numerics_s16},
+    "session-16 kernel ops": {"backend.kernel_numerics": _kernel_numerics_s16},
     # session 18: the pooling's weights by a knockout (three exps; the same bytes), the decode
     # update's rule (knockout at next_n 1) either way, the key words stored from the packing's layout
-    "knockout": {"_backend.kernel_numerics": _kernel_numerics_knockout,
+    "knockout": {"backend.kernel_numerics": _kernel_numerics_knockout,
                  "decode_update._knockout_weights": lambda n: True},
     "four exps": {"decode_update._knockout_weights": lambda n: False},
     "words in parent": {"pool_compress._store_pools": _store_pools_in_parent},
@@ -237,11 +237,11 @@ SAME_BITS = ("exact", "e4m3 from bit ops", "session-13 hadamard", "hadamard unst
              "stores by words", "session-17 decode", "ring by element")
 
 
-_MODULES = {"pool_compress": pc, "decode_update": du, "_backend": pb}
+_MODULES = {"pool_compress": pc, "decode_update": du, "backend": pb}
 
 
 def _target(name):
-    """'fn' -> (numerics, 'fn'); 'pool_compress.fn' / 'decode_update.fn' / '_backend.fn' -> (that module, 'fn')."""
+    """'fn' -> (numerics, 'fn'); 'pool_compress.fn' / 'decode_update.fn' / 'backend.fn' -> (that module, 'fn')."""
     mod, _, attr = name.rpartition(".")
     return (_MODULES[mod] if mod else nm), attr
 
@@ -280,7 +280,7 @@ def _tracer(quick, calls):
 def decode(probes, rng, quick, calls=30, batches=(256, 1), next_ns=(1, 4)):
     """decode_update under each probe: B = 256 and 1 (4 quick), next_n 1 and 4 (or as
     given; bench_writes.decode_case), device spans against an empty kernel."""
-    from pallas_kernels.decode_update import decode_update
+    from pallas_kernels.writes.decode_update import decode_update
     span_us = _tracer(quick, calls)
     empty = span_us(empty_launch_step, jnp.zeros((1024,), jnp.uint32))
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
@@ -332,7 +332,7 @@ def profile(probes, shapes, layout, s, args):
 def profile_decode(probes, rng, batches, next_ns):
     """decode_update, one call per (probe, batch, next_n), each inside the CUDA profiler's
     window after a warm-up call outside it (for ncu --profile-from-start off)."""
-    from pallas_kernels.decode_update import decode_update
+    from pallas_kernels.writes.decode_update import decode_update
     from profile_kernels import cudart
     lib = cudart()
     order = []

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_read as br  # noqa: E402
 from glm5_jax.config import IndexerConfig  # noqa: E402
-from pallas_kernels.paged_topk import paged_topk  # noqa: E402
+from pallas_kernels.read.paged_topk import paged_topk  # noqa: E402
 
 
 def main(argv=None):

@@ -32,7 +32,7 @@ import bench_read as br  # noqa: E402
 from _timing import copy_bandwidth  # noqa: E402
 from profile_kernels import cudart  # noqa: E402
 from glm5_jax.config import IndexerConfig  # noqa: E402
-from pallas_kernels import paged_logits as pk  # noqa: E402
+from pallas_kernels.read import paged_logits as pk  # noqa: E402
 
 DEFAULT = "8:1:4:w,4:1:2:b,8:1:2:b,4:2:2:b,4:1:4:b,8:1:4:b,4:4:4:b"
 

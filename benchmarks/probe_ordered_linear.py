@@ -1,4 +1,4 @@
-"""Launch-shape probe of the ordered contraction kernel (pallas_kernels/ordered_linear.py)
+"""Launch-shape probe of the ordered contraction kernel (pallas_kernels/contractions/ordered_linear.py)
 at the serving step's shapes (bench_scaleout's GPU workload: 2,064 step tokens), and of
 its form reading K / V rows from a table (``ordered_linear_rows``: "rows p.v", "rows q.k").
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ordered_linear import ordered_linear, ordered_linear_rows
+from pallas_kernels.contractions.ordered_linear import ordered_linear, ordered_linear_rows
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import trace_read as tr  # noqa: E402

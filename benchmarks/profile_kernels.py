@@ -100,7 +100,7 @@ def main(argv=None):
 
     if chains:
         from _timing import _empty_kernel  # noqa: E402
-        from pallas_kernels import _backend as B
+        from pallas_kernels.core import backend as B
         empty = jax.ShapeDtypeStruct((1024,), jnp.uint32)
 
         class _Tiny:

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                          "instead of the contraction kernels reading the cache's rows, for an A/B")
     a = ap.parse_args(argv)
     if a.session19_contractions:                 # set before anything is traced
-        import pallas_kernels.ordered_linear as ol
+        import pallas_kernels.contractions.ordered_linear as ol
         ol.UNROLL, ol.TILE_COLS_TRANSPOSED = 4, 64
     if a.word_gather or a.gather_attention:
         from glm5_jax import model as model_mod

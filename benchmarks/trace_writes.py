@@ -87,8 +87,8 @@ def main(argv=None):
                     help="extra tile_pools x num_warps variants of the Pallas compression, e.g. 8x4")
     ap.add_argument("--json", help="write the rows as JSON here")
     a = ap.parse_args(argv)
-    from pallas_kernels.decode_update import decode_update as decode_kernel
-    from pallas_kernels.pool_compress import compress_prefill as compress_kernel
+    from pallas_kernels.writes.decode_update import decode_update as decode_kernel
+    from pallas_kernels.writes.pool_compress import compress_prefill as compress_kernel
     busy = tr.busy_kernel(interpret=jax.default_backend() != "gpu")
     busy_arg = jnp.ones((16,), jnp.float32)
     trace = lambda step, state, *args: trace_state_calls(donated(step), state, args, a.calls, busy, busy_arg)[0]

@@ -29,9 +29,9 @@ from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
-from pallas_kernels.decode_update import decode_update as decode_kernel
-from pallas_kernels.pool_compress import compress_prefill as compress_kernel
-from pallas_kernels.tail_seed import seed_tail as seed_kernel
+from pallas_kernels.writes.decode_update import decode_update as decode_kernel
+from pallas_kernels.writes.pool_compress import compress_prefill as compress_kernel
+from pallas_kernels.writes.tail_seed import seed_tail as seed_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import chain_cache_copies, empty_launch_seconds, time_chain  # noqa: E402

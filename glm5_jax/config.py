@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pallas_kernels.strides import ROW_BYTES, TAIL_ROW_BYTES
+from pallas_kernels.core.strides import ROW_BYTES, TAIL_ROW_BYTES
 
 
 def next_pow2(n: int) -> int:

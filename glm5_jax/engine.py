@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.strides import WORD_BYTES
+from pallas_kernels.core.strides import WORD_BYTES
 
 from . import invariant as inv
 from . import metadata as md

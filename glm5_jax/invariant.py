@@ -18,7 +18,7 @@ exact:
 * ``linear`` takes bf16 operands: a bf16 x bf16 product has at most 16
   significant bits, exact in f32, so an FMA and a multiply-then-add round the
   same and the result is independent of contraction decisions;
-* f32 x f32 products use ``pallas_kernels.numerics.mac`` (four exact partial
+* f32 x f32 products use ``pallas_kernels.core.numerics.mac`` (four exact partial
   products);
 * sums without products use a fixed pairwise tree of slice adds;
 * exp and reciprocal are the project's deterministic ``exp_f32`` / ``recip_f32``.
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import numerics as nm
+from pallas_kernels.core import numerics as nm
 
 # Steps per fori_loop iteration of an ordered chain (python-unrolled inside). Measured
 # on the H200 (session 4, bench_scaleout): the host launches a loop body once per
@@ -43,7 +43,7 @@ from pallas_kernels import numerics as nm
 UNROLL = 8
 # Who runs the contractions (linear, linear_f32, batched_linear, sum_sq_last): "xla"
 # (the fori_loop chains here), "pallas" (one kernel per contraction,
-# pallas_kernels/ordered_linear.py and ordered_sumsq.py: the same operations in the
+# pallas_kernels/contractions/ordered_linear.py and ordered_sumsq.py: the same operations in the
 # same order, so the same bits, with one launch instead of K / UNROLL host-launched
 # loop iterations) or "auto": "pallas" on a GPU, "xla" elsewhere (on the CPU the
 # kernels run in interpret mode, far slower than the loops). Measured on the H200
@@ -111,7 +111,7 @@ def linear(x, w_t):
         raise ValueError(f"linear: x [..., {k}] does not match weight [{w_t.shape[0]}, ...]")
     lead = x.shape[:-1]
     if kernel_for("linear"):
-        from pallas_kernels.ordered_linear import ordered_linear
+        from pallas_kernels.contractions.ordered_linear import ordered_linear
         return ordered_linear(x.reshape(-1, k), w_t, mode="bf16").reshape(lead + (w_t.shape[1],))
     x2 = x.reshape(-1, k).astype(jnp.float32)
     wf = w_t.astype(jnp.float32)
@@ -144,7 +144,7 @@ def linear_f32(x, w_t):
     x2 = x.reshape(-1, k).astype(jnp.float32)
     wf = w_t.astype(jnp.float32)
     if kernel_for("linear"):
-        from pallas_kernels.ordered_linear import ordered_linear
+        from pallas_kernels.contractions.ordered_linear import ordered_linear
         return ordered_linear(x2, wf, mode="f32").reshape(lead + (w_t.shape[1],))
 
     def step(acc, j):
@@ -193,7 +193,7 @@ def batched_linear(a, b, *, b_transposed: bool = False):
         raise ValueError(f"batched_linear: a {a.shape} does not match b {b.shape}"
                          f"{' (transposed)' if b_transposed else ''}")
     if kernel_for("attention"):
-        from pallas_kernels.ordered_linear import ordered_linear
+        from pallas_kernels.contractions.ordered_linear import ordered_linear
         return ordered_linear(a, b, mode="bf16", w_transposed=b_transposed)
     if b_transposed:
         def b_of(j):
@@ -209,7 +209,7 @@ def sum_sq_last(x):
     x = x.astype(jnp.float32)
     n = x.shape[-1]
     if kernel_for("norms"):
-        from pallas_kernels.ordered_sumsq import ordered_sumsq
+        from pallas_kernels.contractions.ordered_sumsq import ordered_sumsq
         return ordered_sumsq(x.reshape(-1, n)).reshape(x.shape[:-1])
 
     def step(acc, j):

@@ -17,8 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from pallas_kernels import addressing as addr
-from pallas_kernels.strides import AttnStrides, CacheStrides, VIEW_COLS, WORD_BYTES
+from pallas_kernels.core import addressing as addr
+from pallas_kernels.core.strides import AttnStrides, CacheStrides, VIEW_COLS, WORD_BYTES
 
 from .config import IndexerConfig
 

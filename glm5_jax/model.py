@@ -14,7 +14,7 @@ vocab 512). Each layer is
 then a final RMSNorm and the LM head; sampling is greedy (argmax, ties to the
 lower id). The attention region lives in the SAME flat buffer as the indexer
 (``CacheLayout(..., attn_block_bytes=ModelConfig.attn_block_bytes)``), addressed
-only through ``pallas_kernels.addressing`` (``attn_*``): block b holds its
+only through ``pallas_kernels.core.addressing`` (``attn_*``): block b holds its
 block_size K rows, then its V rows, bf16. Attention never reads a token the
 indexer did not select, so a corrupted indexer page changes the output.
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from pallas_kernels import addressing as addr
+from pallas_kernels.core import addressing as addr
 
 from . import invariant as inv
 from .config import IndexerConfig
@@ -93,7 +93,7 @@ class RMSNorm(nnx.Module):
 
 
 # ---------------------------------------------------------------------------------
-# attention region: writes and gathers (offsets only from pallas_kernels.addressing)
+# attention region: writes and gathers (offsets only from pallas_kernels.core.addressing)
 # ---------------------------------------------------------------------------------
 def _pack_bf16(x):
     """[..., 2n] bf16 -> [..., n] uint32 (element 2w in the low half)."""
@@ -197,7 +197,7 @@ def sparse_attention_rows(q, table, rows_k, rows_v, *, interpret=None):
     the same operations in the same order, so the same bits. q [T, nh, hd] bf16; rows_k,
     rows_v [T, W] -> [T, nh, hd] f32. What the serving step runs where the attention's
     contractions are kernels (``invariant.PALLAS_KERNELS``) and the rows are aligned."""
-    from pallas_kernels.ordered_linear import ordered_linear_rows
+    from pallas_kernels.contractions.ordered_linear import ordered_linear_rows
     hd = q.shape[2]
     scores = ordered_linear_rows(q, table, rows_k, w_transposed=True, interpret=interpret)   # [T, nh, W]
     scores = scores * jnp.float32(hd ** -0.5)

@@ -183,7 +183,7 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
     if impl == "triton":
         from pallas_kernels.triton_lang.tail_seed import seed_tail as triton_kernel
         return triton_kernel(cache, s, key, gate, tslot, request_ends_tokens)
-    from pallas_kernels.tail_seed import seed_tail as kernel
+    from pallas_kernels.writes.tail_seed import seed_tail as kernel
     return kernel(cache, s, key, gate, tslot, request_ends_tokens, interpret=interpret)
 
 
@@ -209,7 +209,7 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
     if impl == "triton":
         from pallas_kernels.triton_lang.pool_compress import compress_prefill as triton_kernel
         return triton_kernel(cache, s, key, gate, ape, slot_mapping)
-    from pallas_kernels.pool_compress import compress_prefill as kernel
+    from pallas_kernels.writes.pool_compress import compress_prefill as kernel
     return kernel(cache, s, key, gate, ape, slot_mapping, interpret=interpret)
 
 
@@ -239,7 +239,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     if impl == "triton":
         from pallas_kernels.triton_lang.decode_update import decode_update as triton_kernel
         return triton_kernel(cache, s, key, gate, ape, slot_mapping, tslot, positions)
-    from pallas_kernels.decode_update import decode_update as kernel
+    from pallas_kernels.writes.decode_update import decode_update as kernel
     return kernel(cache, s, key, gate, ape, slot_mapping, tslot, positions, interpret=interpret)
 
 
@@ -251,7 +251,7 @@ def fwht_quant(q, *, implementation=None, interpret=None):
     _check(op, "q", q, q.shape, _BF16)
     if _impl(op, implementation) == "xla":
         return ref.fwht_quant(q)
-    from pallas_kernels.query_quant import fwht_quant as kernel
+    from pallas_kernels.read.query_quant import fwht_quant as kernel
     return kernel(q, interpret=interpret)
 
 
@@ -326,7 +326,7 @@ def prepare_queries(q, weights, *, implementation=None, interpret=None):
 
 def _pallas_read_ok(s, hp) -> bool:
     try:
-        from pallas_kernels.paged_logits import check_geometry
+        from pallas_kernels.read.paged_logits import check_geometry
         check_geometry(s, hp)
         return True
     except ValueError:
@@ -340,7 +340,7 @@ def _read_impl(op, implementation, s, hp):
     if impl == "pallas" and implementation is None and not _pallas_read_ok(s, hp):
         return "xla"
     if impl == "pallas":
-        from pallas_kernels.paged_logits import check_geometry
+        from pallas_kernels.read.paged_logits import check_geometry
         try:
             check_geometry(s, hp)
         except ValueError as e:
@@ -417,7 +417,7 @@ def paged_logits(cache, layout: CacheLayout, layer: int, q8, weights, page_table
     _check_page_table(op, page_table_pages, context_pools, layout, s)
     if _read_impl(op, implementation, s, hp) == "xla":
         return ref.paged_logits_strides(cache, s, q8, weights, page_table_pages, context_pools)
-    from pallas_kernels.paged_logits import paged_logits as kernel
+    from pallas_kernels.read.paged_logits import paged_logits as kernel
     return kernel(cache, s, q8, weights, page_table_pages, context_pools, interpret=interpret)
 
 
@@ -459,7 +459,7 @@ def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, 
                           "kpool", kpool)
     if _impl(op, implementation) == "xla":
         return ref.expand_pools(pool_ids, seq_lens_tokens, kpool)
-    from pallas_kernels.expand import expand_pools as kernel
+    from pallas_kernels.read.expand import expand_pools as kernel
     return kernel(pool_ids, seq_lens_tokens, kpool, interpret=interpret)
 
 
@@ -509,7 +509,7 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     if _read_impl(op, implementation, s, hp) == "xla":
         return ref.select_tokens_strides(cache, s, q8, weights, page_table_pages, positions, t,
                                          short_context=short if isinstance(short, bool) else None)
-    from pallas_kernels.expand import expand_pools as expand
+    from pallas_kernels.read.expand import expand_pools as expand
     k, width = t // r, t + r - 1
 
     def fill():
@@ -519,10 +519,10 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
         seq = ref.seq_lens_from_positions(positions)                                # [B, n]
         ctx = seq // r
         if (path or default_read_path(n)) == "fused":
-            from pallas_kernels.paged_topk import paged_topk
+            from pallas_kernels.read.paged_topk import paged_topk
             ids = paged_topk(cache, s, q8, weights, page_table_pages, ctx, k, interpret=interpret)
         else:
-            from pallas_kernels.paged_logits import paged_logits as logits_kernel
+            from pallas_kernels.read.paged_logits import paged_logits as logits_kernel
             from pallas_kernels.topk import topk_pools as topk_kernel
 
             def rows(q, w, cx):                                # bounded logits per call

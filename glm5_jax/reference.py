@@ -7,7 +7,7 @@ Pallas kernels must write identical bytes.
 Every writer takes the flat cache (uint32[total_words]) and returns the new one.
 Writes go through ``.at[].set(mode="drop")`` on the [rows, 1024] word view; a
 masked-out write is sent to row ``rows`` (past the end) and dropped. All offsets
-come from ``pallas_kernels.addressing``.
+come from ``pallas_kernels.core.addressing``.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import addressing as addr
-from pallas_kernels import numerics as nm
-from pallas_kernels.strides import CacheStrides
+from pallas_kernels.core import addressing as addr
+from pallas_kernels.core import numerics as nm
+from pallas_kernels.core.strides import CacheStrides
 
 from .layout import CacheLayout
 

@@ -138,7 +138,7 @@ def host_words(cache, shard: int, words) -> np.ndarray:
 def device_words(cache, shard: int, words):
     """cache[shard, words] gathered on that shard's device (uint32[n], a device array):
     the gather is queued behind the work already queued there; nothing waits."""
-    from pallas_kernels.addressing import view_row_col
+    from pallas_kernels.core.addressing import view_row_col
     rows, cols = view_row_col(np.asarray(words, np.int64))
     row = _row_of(cache, shard)
     device = next(iter(row.devices()))
@@ -150,7 +150,7 @@ def device_words(cache, shard: int, words):
 def gather_view_words(cache, rows, cols):
     """cache (any shape, uint32) seen as [rows, VIEW_COLS] words, at (rows, cols): on
     the device, int32 indices for any cache size."""
-    from pallas_kernels.strides import VIEW_COLS
+    from pallas_kernels.core.strides import VIEW_COLS
     return cache.reshape(-1, VIEW_COLS)[rows, cols]
 
 

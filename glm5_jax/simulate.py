@@ -308,8 +308,8 @@ class _WatchedBytes:
     def __init__(self, eng, shard: int, ranges_bytes, page_bytes: int):
         import jax
         import numpy as np
-        from pallas_kernels.addressing import view_row_col
-        from pallas_kernels.strides import WORD_BYTES
+        from pallas_kernels.core.addressing import view_row_col
+        from pallas_kernels.core.strides import WORD_BYTES
 
         from . import sharding
         words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in ranges_bytes])
@@ -365,7 +365,7 @@ def _changed_counts(cache, rows, cols, snapshot, *, page_bytes: int):
     from `snapshot`, and pages of page_bytes with any such byte."""
     import jax.numpy as jnp
 
-    from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
+    from pallas_kernels.core.strides import VIEW_COLS, WORD_BYTES
     x = cache.reshape(-1, VIEW_COLS)[rows, cols] ^ snapshot                               # [n] u32
     diff = jnp.stack([(x >> (8 * i)) & 0xFF for i in range(WORD_BYTES)], axis=-1) != 0   # [n, 4] bytes
     pages = jnp.any(diff.reshape(-1, page_bytes), axis=1)

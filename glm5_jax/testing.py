@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels import numerics as nm
+from pallas_kernels.core import numerics as nm
 
 from . import metadata as md
 from .config import IndexerConfig

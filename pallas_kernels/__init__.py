@@ -1,4 +1,4 @@
 """Standalone Pallas kernel library for the kpool indexer cache (no glm5_jax import)."""
-from .strides import CacheStrides
+from .core.strides import CacheStrides
 
 __all__ = ["CacheStrides"]

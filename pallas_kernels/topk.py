@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend as B
+from .core import backend as B
 
 RADIX_BITS = 2             # key bits decided per step of the threshold search
 RANK_TILE_ELEMS = 16384    # BN * TI * KP comparisons per rank tile

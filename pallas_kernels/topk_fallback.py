@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _backend as B
+from .core import backend as B
 from . import topk as tk
 
 FALLBACK_CHUNK = 2048   # scores per step of the streaming path on an overflowed row

@@ -37,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _backend as B
+from .core import backend as B
 from . import topk as tk
 
 TILE = 4096             # scores per program (G * RP)

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _backend as B
+from .core import backend as B
 from . import topk as tk
 from . import topk_maxima
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend as B
+from .core import backend as B
 from . import topk as tk
 from . import topk_fallback
 

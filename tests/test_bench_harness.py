@@ -156,8 +156,8 @@ def test_every_write_probe_traces_against_the_shipped_kernels():
     import numpy as np
     import bench_writes as bw
     import probe_compress as pc
-    from pallas_kernels.decode_update import decode_update
-    from pallas_kernels.pool_compress import compress_prefill
+    from pallas_kernels.writes.decode_update import decode_update
+    from pallas_kernels.writes.pool_compress import compress_prefill
     rng = np.random.default_rng()
     layout, sc, pre = bw.prefill_case(rng, 64, 2)
     s = layout.strides(0)

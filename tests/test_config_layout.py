@@ -13,9 +13,9 @@ import pytest
 from glm5_jax.config import IndexerConfig, next_pow2
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import random_ape, random_rows
-from pallas_kernels import addressing as addr
-from pallas_kernels import numerics as nm
-from pallas_kernels.strides import CacheStrides
+from pallas_kernels.core import addressing as addr
+from pallas_kernels.core import numerics as nm
+from pallas_kernels.core.strides import CacheStrides
 
 import refjit
 

@@ -62,9 +62,9 @@ def test_large_cache_reads_past_2gib(rng, gib):
     past 2**32 at 5 GiB): paged_logits == the XLA reference, and the fused logits ->
     top-k == top-k of those logits. At 3 GiB the keys come through the word view (a
     byte view faults past byte 2**31 there), at 5 GiB through the byte view."""
-    from pallas_kernels import addressing as addr
-    from pallas_kernels.paged_logits import key_source
-    from pallas_kernels.paged_topk import paged_topk
+    from pallas_kernels.core import addressing as addr
+    from pallas_kernels.read.paged_logits import key_source
+    from pallas_kernels.read.paged_topk import paged_topk
     from test_read_path import fp8_bytes, random_queries
     blocks = 4096
     layout, layer = large_layout(gib, blocks)
@@ -143,7 +143,7 @@ def test_ordered_linear_compiled_equals_the_chain(rng, monkeypatch, mode, n):
     """The projection kernel compiled for the GPU gives the XLA chain's bits at the
     serving step's sizes (2,064 tokens, K = 512)."""
     from glm5_jax import invariant as inv
-    from pallas_kernels.ordered_linear import ordered_linear
+    from pallas_kernels.contractions.ordered_linear import ordered_linear
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the chain ("auto" is the kernel on a GPU)
     dt = jnp.bfloat16 if mode == "bf16" else jnp.float32
     x = jnp.asarray(rng.standard_normal((2064, 512)) * (1.0 if mode == "bf16" else 1.37), dt)
@@ -159,8 +159,8 @@ def test_attention_and_norm_kernels_compiled_equal_the_chains(rng, monkeypatch):
     the weighted sum over 2,051 selected tokens) and the norms' sums of squares,
     compiled for the GPU, give the XLA chains' bits at the serving step's sizes."""
     from glm5_jax import invariant as inv
-    from pallas_kernels.ordered_linear import ordered_linear
-    from pallas_kernels.ordered_sumsq import ordered_sumsq
+    from pallas_kernels.contractions.ordered_linear import ordered_linear
+    from pallas_kernels.contractions.ordered_sumsq import ordered_sumsq
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")
     t, nh, hd, w = 300, 4, 64, 2051
     q = jnp.asarray(rng.standard_normal((t, nh, hd)), jnp.bfloat16)
@@ -183,7 +183,7 @@ def test_attention_rows_kernels_compiled_equal_the_gathered_rows(rng):
     sizes (2,051 selected tokens, head_dim 64), with -1 rows (zeros), padding tokens and
     dead tails."""
     import ml_dtypes
-    from pallas_kernels.ordered_linear import ordered_linear, ordered_linear_rows
+    from pallas_kernels.contractions.ordered_linear import ordered_linear, ordered_linear_rows
     t, nh, hd, w, n_rows = 300, 8, 64, 2051, 5000
     kv = (rng.standard_normal((n_rows, hd)) * 0.1).astype(ml_dtypes.bfloat16)
     table = jnp.asarray(kv.view(np.uint32))                                   # [R, 32]: element 2c low half
@@ -204,7 +204,7 @@ def test_byte_view_adds_no_copy_of_the_cache(rng):
     bitcast): compiled, the program holds no buffer the size of the cache besides
     the cache itself (a materialised view would be a 288 MB copy per call at
     decode), and the byte view really is the path taken."""
-    from pallas_kernels.paged_logits import key_source, paged_logits
+    from pallas_kernels.read.paged_logits import key_source, paged_logits
     from test_read_path import random_queries
     layout = CacheLayout(IndexerConfig(), num_layers=2, num_blocks=2048)
     s = layout.strides(1)
@@ -229,7 +229,7 @@ def test_mul_rn_is_the_separately_rounded_product(rng):
     """_backend.mul_rn compiled: c + mul_rn(a, b) is the f32 product rounded on its own,
     then the add (numpy's separately rounded steps), on inputs where a fused multiply-add
     would give other bits for many of them (checked against a float64 model of the FMA)."""
-    from pallas_kernels import _backend as B
+    from pallas_kernels.core import backend as B
     n = 4096
     a = (rng.uniform(1, 2, n) * np.exp2(rng.integers(-8, 8, n))).astype(np.float32)
     b = (rng.uniform(1, 2, n) * np.exp2(rng.integers(-8, 8, n))).astype(np.float32)
@@ -263,7 +263,7 @@ def _every_class_f32(rng, n):
 
 
 def _run_elementwise(f, *xs):
-    from pallas_kernels import _backend as B
+    from pallas_kernels.core import backend as B
     n = xs[0].size
 
     def kernel(*refs):
@@ -277,8 +277,8 @@ def test_bf16_round_rn_and_plus_zero_rn_keep_the_numerics_bits(rng):
     """_backend.bf16_round_rn and plus_zero_rn compiled (one PTX instruction each) give the
     bits of numerics.round_bf16 and numerics.positive_zero (XLA, integer forms) for every
     non-NaN f32: subnormals, ties, values that round to +-inf, signed zeros."""
-    from pallas_kernels import _backend as B
-    from pallas_kernels import numerics as nm
+    from pallas_kernels.core import backend as B
+    from pallas_kernels.core import numerics as nm
     x = _every_class_f32(rng, 1 << 16)[: 1 << 18]                                 # a power of two (Triton)
     assert x.size == 1 << 18
     rnd, pz = B.bf16_round_rn(interpret=False), B.plus_zero_rn(interpret=False)
@@ -300,8 +300,8 @@ def test_compiled_fp8_conversion_saturates_like_the_clip(rng):
     (test_numerics); rows holding +-inf scale to +-inf and must give +-448 (0x7E / 0xFE).
     Rows whose largest value is 448 * 2**k or one ulp away probe the edge."""
     from jax import lax
-    from pallas_kernels import _backend as B
-    from pallas_kernels import numerics as nm
+    from pallas_kernels.core import backend as B
+    from pallas_kernels.core import numerics as nm
     m = 256
     y = (rng.standard_normal((m, 128)) * np.exp2(rng.uniform(-20, 20, (m, 1)))).astype(np.float32)
     top = (np.exp2(rng.integers(-10, 10, m)) * 448).astype(np.float32)

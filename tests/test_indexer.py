@@ -171,10 +171,10 @@ def test_ordered_chain_unroll_changes_no_bit(rng, monkeypatch, request, op):
 
 @pytest.mark.parametrize("mode", ["bf16", "f32"])
 def test_ordered_linear_kernel_equals_the_chain(rng, monkeypatch, mode):
-    """The one-launch projection kernel (pallas_kernels/ordered_linear.py) gives the
+    """The one-launch projection kernel (pallas_kernels/contractions/ordered_linear.py) gives the
     XLA chain's bits, for any tile shape, and stays batch invariant; through
     ``invariant.CONTRACTIONS = "pallas"`` linear / linear_f32 use it."""
-    from pallas_kernels.ordered_linear import ordered_linear
+    from pallas_kernels.contractions.ordered_linear import ordered_linear
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the chain ("auto" is the kernel on a GPU)
     x, w = bf16(rng, (37, 96)), bf16(rng, (96, 70), 0.1)
     chain = inv.linear if mode == "bf16" else inv.linear_f32
@@ -198,8 +198,8 @@ def test_attention_and_norm_kernels_equal_the_chains(rng, monkeypatch):
     transposed right operand, and the sum-of-squares kernel give the XLA chains'
     bits, for any tile / unroll; through ``invariant.CONTRACTIONS = "pallas"`` the
     attention and the norms use them."""
-    from pallas_kernels.ordered_linear import ordered_linear
-    from pallas_kernels.ordered_sumsq import ordered_sumsq
+    from pallas_kernels.contractions.ordered_linear import ordered_linear
+    from pallas_kernels.contractions.ordered_sumsq import ordered_sumsq
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the chains ("auto" is the kernels on a GPU)
     g, m, k, n = 5, 3, 37, 21
     a, b = jnp.asarray(bf16(rng, (g, m, k))), jnp.asarray(bf16(rng, (g, k, n), 0.1))
@@ -245,7 +245,7 @@ def test_ordered_linear_rows_equals_the_kernel_on_gathered_rows(rng):
     gathered and unpacked beforehand, for any tile and unroll (odd ones put a step's
     half of a word at a traced parity); row ids -1 and past the table read zeros, also for
     a g without live rows and for a dead tail."""
-    from pallas_kernels.ordered_linear import ordered_linear, ordered_linear_rows
+    from pallas_kernels.contractions.ordered_linear import ordered_linear, ordered_linear_rows
     g, m, words, n_rows, w_tokens = 4, 3, 8, 29, 21                        # head_dim 16
     bits = rng.integers(0, 2**32, (n_rows, words), dtype=np.uint64).astype(np.uint32)
     bits &= ~np.uint32(0x7F807F80) | np.uint32(0x3C003C00)                 # bf16 halves of modest exponent
@@ -285,7 +285,7 @@ def test_ordered_linear_rows_equals_the_kernel_on_gathered_rows(rng):
 
 
 def test_ordered_linear_kernel_rejects_bad_input():
-    from pallas_kernels.ordered_linear import ordered_linear
+    from pallas_kernels.contractions.ordered_linear import ordered_linear
     x = jnp.zeros((4, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="needs bfloat16 operands"):
         ordered_linear(x.astype(jnp.float32), jnp.zeros((8, 3), jnp.float32), mode="bf16")

@@ -1,4 +1,4 @@
-"""pallas_kernels.numerics (spec section 2): Hadamard-128, exact power-of-two
+"""pallas_kernels.core.numerics (spec section 2): Hadamard-128, exact power-of-two
 scales, fp8/bf16 rounding with integer ops, the context-independent exp and
 reciprocal, and the exact-product multiply-add. Compared against float64 /
 ml_dtypes / a literal numpy butterfly, bit for bit where the spec promises bits."""
@@ -13,7 +13,7 @@ from jax import lax
 
 from glm5_jax.testing import (session7_exp_f32, session12_recip_f32, session13_hadamard128, session14_compress_pool,
                               session14_exp_f32)
-from pallas_kernels import numerics as nm
+from pallas_kernels.core import numerics as nm
 
 F32 = np.float32
 

@@ -21,7 +21,7 @@ from glm5_jax import reference as ref
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
-from pallas_kernels import addressing as addr
+from pallas_kernels.core import addressing as addr
 
 SENTINEL = 0xA5
 FP8 = jnp.float8_e4m3fn
@@ -235,7 +235,7 @@ def test_paged_logits_key_sources(rng, case):
     """Keys through the byte view (the default where safe) and through the word view
     give the same logits; the byte view is refused where key rows are not 16-byte
     aligned, and the default then falls back to the words."""
-    from pallas_kernels.paged_logits import Tuning, key_source, paged_logits
+    from pallas_kernels.read.paged_logits import Tuning, key_source, paged_logits
     layout, s, (cache, _, _, q8, wf, table, ctx) = logits_case(rng, case)
     aligned = case["attn"] == 0
     assert key_source(s) == aligned
@@ -258,7 +258,7 @@ def test_paged_logits_f16_dot(rng, case):
     """The f16 dot form (wgmma on the GPU at 4 warps) gives the reference's logits, and
     the fp8 form's to the same tolerance: fp8 -> f16 is exact, only the order of the
     f32 sums may differ."""
-    from pallas_kernels.paged_logits import Tuning, paged_logits
+    from pallas_kernels.read.paged_logits import Tuning, paged_logits
     layout, s, (cache, _, _, q8, wf, table, ctx) = logits_case(rng, case)
     a = np.asarray(paged_logits(cache, s, q8, wf, table, ctx, tune=Tuning(num_warps=4, dot="f16")))
     want = np.asarray(ops.paged_logits(cache, layout, 1, q8, wf, table, ctx, implementation="xla"))
@@ -266,7 +266,7 @@ def test_paged_logits_f16_dot(rng, case):
     assert_logits_match(a, np.asarray(paged_logits(cache, s, q8, wf, table, ctx)), np.asarray(ctx))
     with pytest.raises(ValueError, match="tuning"):
         Tuning(dot="f16-pools")
-    from pallas_kernels.paged_topk import paged_topk
+    from pallas_kernels.read.paged_topk import paged_topk
     with pytest.raises(ValueError, match="dot must be one of"):
         paged_topk(cache, s, q8, wf, table, ctx, 4, dot="bf16")
 
@@ -274,7 +274,7 @@ def test_paged_logits_f16_dot(rng, case):
 def test_paged_logits_default_dot_by_rows():
     """The f16 dot (wgmma) from 64 dot rows (prefill blocks), fp8 below (decode); an
     explicit form wins."""
-    from pallas_kernels.paged_logits import WGMMA_DOT_ROWS, Tuning
+    from pallas_kernels.read.paged_logits import WGMMA_DOT_ROWS, Tuning
     assert WGMMA_DOT_ROWS == 64
     assert Tuning().dot_for(128) == Tuning().dot_for(64) == "f16"
     assert Tuning().dot_for(32) == "fp8"
@@ -284,7 +284,7 @@ def test_paged_logits_default_dot_by_rows():
 def test_byte_view_offset_rule():
     """The byte view is used only where the backend indexes every byte correctly:
     at most 2 GiB, or more than 4 GiB (64-bit offsets)."""
-    from pallas_kernels import _backend
+    from pallas_kernels.core import backend as _backend
     assert _backend.narrow_offsets_safe(2**31) and _backend.narrow_offsets_safe(2**32 + 4096)
     assert not _backend.narrow_offsets_safe(2**31 + 4096) and not _backend.narrow_offsets_safe(2**32)
 
@@ -671,7 +671,7 @@ FUSED_CASES = [
                          ids=["default", "fp8", "f16-2pages", "fp8-2pages", "f16-4pages-8warps"])
 @pytest.mark.parametrize("case", FUSED_CASES)
 def test_paged_topk_matches_reference(rng, case, dot, pages, warps):
-    from pallas_kernels.paged_topk import paged_topk
+    from pallas_kernels.read.paged_topk import paged_topk
     layout = CacheLayout(IndexerConfig(block_size=case["block_size"]), num_layers=1, num_blocks=6)
     cache = random_cache(rng, layout)
     s = layout.strides(0)
@@ -693,7 +693,7 @@ def test_paged_topk_matches_reference(rng, case, dot, pages, warps):
 def test_paged_topk_default_shape():
     """Prefill-sized dots (>= 64 rows) take the f16 dot over 2 pages per step, decode-sized
     ones the fp8 dot over 1 page; the defaults resolve to those shapes."""
-    from pallas_kernels import paged_topk as pt
+    from pallas_kernels.read import paged_topk as pt
     assert pt.default_shape(128) == pt.PREFILL_SHAPE == ("f16", 2, 4)
     assert pt.default_shape(64) == pt.PREFILL_SHAPE
     assert pt.default_shape(32) == pt.DECODE_SHAPE == ("fp8", 1, 4)
@@ -709,7 +709,7 @@ def test_paged_topk_exact_ties(rng, splits):
     """Integer-valued q8, K8, scales and weights: every logit is an exact integer in any
     summation order, with many equal pools; the fused kernel must break ties by the
     lower pool id exactly as the reference does."""
-    from pallas_kernels.paged_topk import paged_topk
+    from pallas_kernels.read.paged_topk import paged_topk
     layout = CacheLayout(IndexerConfig(block_size=1152), num_layers=1, num_blocks=4)
     s = layout.strides(0)
     one, two, m_one = 0x38, 0x40, 0xB8                               # e4m3: 1.0, 2.0, -1.0
@@ -741,7 +741,7 @@ def test_long_prefill_runs_in_row_chunks(rng, monkeypatch, request):
     call; XLA/unfused: a logits budget); chunking must not change the selection. Both
     limits are read when a function is traced and jax's trace cache does not see a
     patched module global, so the caches are cleared after each patch (and at the end)."""
-    import pallas_kernels.paged_topk as pt
+    import pallas_kernels.read.paged_topk as pt
     request.addfinalizer(jax.clear_caches)
     layout = CacheLayout(IndexerConfig(block_size=1152, topk=32), num_layers=1, num_blocks=3)
     cache = random_cache(rng, layout)
@@ -796,7 +796,7 @@ def test_paged_topk_never_materialises_logits(rng):
 # ---------------------------------------------------------------------------------
 @jax.jit
 def _compress_pools(k, g, ape):                    # [m, R, 128] bf16 x2, [R, 128] -> (q8, scale)
-    from pallas_kernels import numerics as nm
+    from pallas_kernels.core import numerics as nm
     r = k.shape[1]
     return nm.compress_pool([k[:, j] for j in range(r)], [g[:, j] for j in range(r)],
                             [ape[j] for j in range(r)])
@@ -937,10 +937,10 @@ def test_short_context_path(rng):
 # "cuda" without a GPU; the Triton -> PTX compile itself happens only on the GPU)
 # ---------------------------------------------------------------------------------
 def test_read_kernels_lower_for_triton():
-    from pallas_kernels.expand import expand_pools
-    from pallas_kernels.paged_logits import paged_logits
-    from pallas_kernels.paged_topk import paged_topk
-    from pallas_kernels.query_quant import fwht_quant
+    from pallas_kernels.read.expand import expand_pools
+    from pallas_kernels.read.paged_logits import paged_logits
+    from pallas_kernels.read.paged_topk import paged_topk
+    from pallas_kernels.read.query_quant import fwht_quant
     from pallas_kernels.topk import topk_pools
 
     def lower(f, *a):

@@ -23,7 +23,7 @@ from glm5_jax.config import IndexerConfig
 from glm5_jax.engine import Engine
 from glm5_jax.model import Decoder, ModelConfig
 from glm5_jax.step_metadata import BucketMins, RowSpec, bucket, build_step, choose_shape
-from pallas_kernels import addressing as addr
+from pallas_kernels.core import addressing as addr
 
 MODEL_CFG = ModelConfig()                       # hidden 256, 2 layers, vocab 512, topk 64, blocks of 64
 NB = 18
@@ -159,7 +159,7 @@ def test_kv_row_gather_equals_the_word_gather(rng):
     a layout whose rows are not aligned to their size refuses the row form."""
     import jax.numpy as jnp
     from glm5_jax.model import gather_kv
-    from pallas_kernels.strides import AttnStrides
+    from pallas_kernels.core.strides import AttnStrides
     lay = MODEL_CFG.layout(NB)
     cache = jnp.asarray(rng.integers(0, 2**32, lay.total_bytes // 4, dtype=np.uint64).astype(np.uint32))
     t, w, mb = 12, 40, 3

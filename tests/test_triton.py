@@ -22,7 +22,7 @@ from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
-from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
+from pallas_kernels.core.strides import VIEW_COLS, WORD_BYTES
 from pallas_kernels.triton_lang import _call
 from write_cases import (CASES, SENTINEL, as_bytes, assert_pools_golden, assert_same_snapshots,
                          assert_updates_in_place, check_padded_stride, large_layout, many_pools_case, ops_writers,

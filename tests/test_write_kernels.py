@@ -47,7 +47,7 @@ def test_vllm_compress_vector_pallas():
 @pytest.mark.parametrize("fault", [None, "dense-tail-stride"])
 def test_padded_stride_regression_kernel(rng, fault):
     """Spec B1 through the Pallas seed kernel (see write_cases.check_padded_stride)."""
-    from pallas_kernels.tail_seed import seed_tail as kernel
+    from pallas_kernels.writes.tail_seed import seed_tail as kernel
     check_padded_stride(rng, kernel, fault)
 
 
@@ -125,7 +125,7 @@ def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
 @pytest.mark.parametrize("path", ["forward", "walk"])
 @pytest.mark.parametrize("kpool, spec", [(4, 0), (4, 3), (16, 0)], ids=["R4-ring4", "R4-ring8", "R16-ring16"])
 def test_decode_update_follows_the_walk_on_odd_batches(rng, kpool, spec, path):
-    """Both programs of the decode update (pallas_kernels/decode_update.py; "forward"
+    """Both programs of the decode update (pallas_kernels/writes/decode_update.py; "forward"
     takes stashes of earlier tokens of the launch from registers instead of re-reading
     the ring) must give the reference's literal token-by-token walk whatever the batch.
     The ring starts with random finite bf16 rows, so a member read from the wrong place
@@ -142,7 +142,7 @@ def test_decode_update_apes_in_branch_follows_the_walk(rng):
     # the flag reaches the kernel: the two forms lower to different programs
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
-    from pallas_kernels.decode_update import decode_update as kernel
+    from pallas_kernels.writes.decode_update import decode_update as kernel
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=4)
     z, row = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1, 128), jnp.bfloat16)
     text = [jax.jit(lambda c, flag=flag: kernel(c, layout.strides(0), row, row, jnp.zeros((4, 128)), z, z, z,
@@ -166,7 +166,7 @@ def _window_batch(rng, layout, n, kinds):
     request), pools after them, except that "pool in the tail block" completes at its
     first token a pool whose key bytes are half of the ring row that its second token
     stashes into (the walk writes the pool first, then the stash over it)."""
-    from pallas_kernels import addressing as addr
+    from pallas_kernels.core import addressing as addr
     cfg, s = layout.config, layout.strides(0)
     b, r = len(kinds), cfg.kpool
     own = 1 + np.arange(2 * b).reshape(b, 2)
@@ -218,7 +218,7 @@ def test_decode_update_follows_the_walk_on_verify_windows(rng, kpool, spec, n):
     shows. (Session 22 tried a shorter program for the well-formed windows against this
     test; docs/results/2026-12-02_s22_regular_windows.patch.)"""
     from glm5_jax import reference as ref
-    from pallas_kernels import decode_update as du
+    from pallas_kernels.writes import decode_update as du
     layout, s, start, ape = _random_ring_case(rng, kpool, spec, num_blocks=40)
     well = 4                                                   # well-formed windows, then one of each other kind
     (key, gate), (slot, tslot, pos) = _window_batch(rng, layout, n, ["well formed"] * well + list(WINDOW_KINDS[1:]))
@@ -247,7 +247,7 @@ def _random_ring_case(rng, kpool, spec, num_blocks):
 
 def _check_odd_batches(rng, kpool, spec, **kernel_kw):
     from glm5_jax import reference as ref
-    from pallas_kernels.decode_update import decode_update as kernel
+    from pallas_kernels.writes.decode_update import decode_update as kernel
     layout, s, start, ape = _random_ring_case(rng, kpool, spec, num_blocks=12)
     completions = 0
     for n in ((1, 6) if kpool == 4 else (1, 2)):
@@ -262,7 +262,7 @@ def _check_odd_batches(rng, kpool, spec, **kernel_kw):
 
 
 def test_decode_update_default_path_and_bad_path():
-    from pallas_kernels import decode_update as du
+    from pallas_kernels.writes import decode_update as du
     assert du.default_path(4, 4) == "forward" and du.default_path(10, 4) == "forward"
     assert du.default_path(11, 4) == "walk" and du.default_path(32, 16) == "walk"
     assert du._apes_in_branch(1, 64) and du._apes_in_branch(1, 256)
@@ -290,9 +290,9 @@ def test_compiled_write_kernels_use_the_ptx_forms():
     import sys
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import offline_sass as osass
-    from pallas_kernels import _backend as B
-    from pallas_kernels.decode_update import decode_update
-    from pallas_kernels.pool_compress import compress_prefill
+    from pallas_kernels.core import backend as B
+    from pallas_kernels.writes.decode_update import decode_update
+    from pallas_kernels.writes.pool_compress import compress_prefill
     from glm5_jax.config import IndexerConfig
     from glm5_jax.layout import CacheLayout
     assert B.mul_rn(True) is None and B.bf16_round_rn(True) is None and B.plus_zero_rn(True) is None
@@ -327,13 +327,13 @@ def test_compiled_write_kernels_use_the_ptx_forms():
 
 
 def test_backend_rejects_a_non_boolean_mask():
-    """_backend's masked loads and stores take boolean masks only. The GPU's Triton
+    """core.backend's masked loads and stores take boolean masks only. The GPU's Triton
     lowering rejects an int mask, but interpret mode reads it as a truth value, so a
     kernel that builds one (session 18's unrolled-loop trial: ``~False`` is the int -1)
     passed on the CPU and failed only on the H200. Now it fails here too, for gather,
     scatter, load and store, while a boolean mask still works."""
     from jax.experimental import pallas as pl
-    from pallas_kernels import _backend as B
+    from pallas_kernels.core import backend as B
 
     def run(op, mask_dtype):
         def body(x_ref, o_ref):

@@ -50,7 +50,7 @@ def test_seed_request_ends_past_the_batch_is_rejected(rng):
 
 @pytest.mark.parametrize("tile_pools, num_warps", [(1, 1), (16, 8)])
 def test_compress_tile_shapes_match_reference(rng, tile_pools, num_warps):
-    from pallas_kernels.pool_compress import compress_prefill as kernel
+    from pallas_kernels.writes.pool_compress import compress_prefill as kernel
     cfg = IndexerConfig(block_size=512)
     layout = CacheLayout(cfg, num_layers=1, num_blocks=12)
     lengths = [int(x) for x in rng.integers(1, 40, size=4)]          # pools straddle every tile size

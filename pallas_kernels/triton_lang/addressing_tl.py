@@ -1,7 +1,7 @@
 """The one Triton-side address operation: (row, col) of the word view -> flat word index.
 
 Every block, page, ring and pool offset is computed in JAX by
-``pallas_kernels.addressing`` and handed to the kernels as int32 (row, col) pairs
+``pallas_kernels.core.addressing`` and handed to the kernels as int32 (row, col) pairs
 of the ``u32[rows, VIEW_COLS]`` view (``addressing.split_word``). Kernels only
 flatten a pair here, in int64 so that caches past 2**31 words and bytes work,
 and then add lane offsets within one entry (0..31 key words, 0..63 ring-row words).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..strides import VIEW_COLS as _VIEW_COLS
+from ..core.strides import VIEW_COLS as _VIEW_COLS
 
 VIEW_COLS = tl.constexpr(_VIEW_COLS)
 

@@ -1,4 +1,4 @@
-"""Triton-language port of ``pallas_kernels.numerics``: the same float operations
+"""Triton-language port of ``pallas_kernels.core.numerics``: the same float operations
 in the same order, so the Triton kernels write the bytes of the XLA reference.
 
 Every function takes tiles of shape [M, 128] (M a power of two; a single row is
@@ -37,7 +37,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from .. import numerics as nm
+from ..core import numerics as nm
 
 
 def _f32c(v) -> tl.constexpr:

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from .. import addressing as addr
-from .. import numerics as nm
-from ..strides import CacheStrides
+from ..core import addressing as addr
+from ..core import numerics as nm
+from ..core.strides import CacheStrides
 from . import _call
 from .addressing_tl import word_index
 from .numerics_tl import NAN_ALL, bf16_to_f32, exp_f32, mac_bf16, pool_finish, rotate_quant_words

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from .. import addressing as addr
-from ..strides import CacheStrides
+from ..core import addressing as addr
+from ..core.strides import CacheStrides
 from . import _call
 from .addressing_tl import word_index
 

@@ -28,7 +28,7 @@ from glm5_jax import ops  # noqa: E402
 from glm5_jax import reference as ref  # noqa: E402
 from glm5_jax.config import IndexerConfig  # noqa: E402
 from glm5_jax.layout import CacheLayout  # noqa: E402
-from pallas_kernels.ordered_linear import ordered_linear  # noqa: E402
+from pallas_kernels.contractions.ordered_linear import ordered_linear  # noqa: E402
 
 SEEDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 print("jax", jax.__version__, jax.devices(), flush=True)

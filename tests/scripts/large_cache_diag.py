@@ -20,8 +20,8 @@ from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
-from pallas_kernels import addressing as addr
-from pallas_kernels.strides import VIEW_COLS, WORD_BYTES
+from pallas_kernels.core import addressing as addr
+from pallas_kernels.core.strides import VIEW_COLS, WORD_BYTES
 
 GIB = int(sys.argv[1]) if len(sys.argv) > 1 else 9
 SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3

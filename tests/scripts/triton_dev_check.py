@@ -154,7 +154,7 @@ def _quant_kernel(x_ptr, w_ptr, s_ptr, M: tl.constexpr):
 def check_numerics(rng):
     """Each numerics_tl helper against numerics.py on random values spread over
     decades plus edge values (signed zeros, subnormals, fp8 ties, +-448 / 464)."""
-    from pallas_kernels import numerics as nm
+    from pallas_kernels.core import numerics as nm
     unary, quant = _unary_kernel, _quant_kernel
 
     m = 64

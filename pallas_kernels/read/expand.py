@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend as B
+from ..core import backend as B
 
 TILE_ROWS = 8
 TILE_COLS = 256

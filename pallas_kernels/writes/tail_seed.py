@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend as B
-from . import addressing as addr
-from . import numerics as nm
-from .strides import CacheStrides
+from ..core import backend as B
+from ..core import addressing as addr
+from ..core import numerics as nm
+from ..core.strides import CacheStrides
 
 TILE_TOKENS = 64           # candidate rows per program, all-rows mode
 TILE_ENDS = 8              # candidate rows per program, request-ends mode (few rows: spread them)

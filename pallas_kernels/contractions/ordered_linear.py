@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backend as B
-from . import numerics as nm
+from ..core import backend as B
+from ..core import numerics as nm
 
 TILE_ROWS = 32             # BM
 TILE_COLS = 64             # BN

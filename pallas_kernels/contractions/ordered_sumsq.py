@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend as B
-from . import numerics as nm
+from ..core import backend as B
+from ..core import numerics as nm
 
 TILE_ROWS = 64             # BM
 UNROLL = 4                 # K steps per loop iteration

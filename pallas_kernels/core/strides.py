@@ -8,7 +8,7 @@ multiple of 4 bytes.
 
 Only ``glm5_jax.layout.CacheLayout.strides`` builds these for real caches; the
 kernels and the reference turn (strides, slot) into offsets exclusively through
-``pallas_kernels.addressing``.
+``pallas_kernels.core.addressing``.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class AttnStrides:
     ``block_size`` V rows, then padding up to ``attn_block_bytes``. A token-granular
     attention slot is ``block * block_size + pos % block_size`` (the same block ids
     as the indexer pages of the request). Built by ``CacheLayout.attn_strides``;
-    offsets come only from ``pallas_kernels.addressing``.
+    offsets come only from ``pallas_kernels.core.addressing``.
     """
 
     block_size: int               # tokens per block

@@ -45,10 +45,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend as B
-from . import addressing as addr
-from . import numerics as nm
-from .strides import CacheStrides
+from ..core import backend as B
+from ..core import addressing as addr
+from ..core import numerics as nm
+from ..core.strides import CacheStrides
 
 PATHS = ("forward", "walk")
 FORWARD_MAX_PAIRS = 32          # n * (kpool - 1) up to which "forward" is the default

@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend as B
-from . import addressing as addr
-from . import numerics as nm
-from .strides import CacheStrides
+from ..core import backend as B
+from ..core import addressing as addr
+from ..core import numerics as nm
+from ..core.strides import CacheStrides
 
 PAGES_PER_STEP = 4          # page-table columns gathered at once (defaults of Tuning:
 STEPS = 1                   # the fastest shape of session 9's H200 probe with the byte view,

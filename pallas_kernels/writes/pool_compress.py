@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend as B
-from . import addressing as addr
-from . import numerics as nm
-from .strides import CacheStrides
+from ..core import backend as B
+from ..core import addressing as addr
+from ..core import numerics as nm
+from ..core.strides import CacheStrides
 
 TILE_POOLS_MAX = 4           # pools per program once the batch is large
 MIN_PROGRAMS = 2048          # ... but the tile shrinks (to 1) while the grid would have fewer programs

@@ -37,12 +37,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _backend as B
-from . import numerics as nm
-from . import topk as tk
+from .. import topk as tk
+from ..core import backend as B
+from ..core import numerics as nm
+from ..core.strides import CacheStrides
 from .paged_logits import (DOT_FORMS, WGMMA_DOT_ROWS, cache_views, check_geometry, key_source,
                            load_query_block, rows_per_block, score_pages)
-from .strides import CacheStrides
 
 MAX_ROWS_PER_CALL = 8192
 # Program shape by the dot's rows (BN * Hp): (dot form, pages per step, warps). From
