@@ -194,8 +194,10 @@ def bench_topk_parts(rows, n, k, reps, trials):
     """Where filter-mode top-k spends its time: the stages cumulatively (run maxima;
     + floor; + filter; + select, which is the whole topk_pools), each as a fraction
     of the whole."""
-    from pallas_kernels import topk as tk
-    from pallas_kernels import topk_filter, topk_floor, topk_maxima
+    from pallas_kernels.topk import common as tk
+    from pallas_kernels.topk import driver
+    from pallas_kernels.topk import filter as topk_filter
+    from pallas_kernels.topk import maxima as topk_maxima
     t = tk.Tuning()
     x = jax.random.normal(jax.random.PRNGKey(7), (rows, n), jnp.float32)
     lengths = jnp.full((rows,), n, jnp.int32)
@@ -205,8 +207,8 @@ def bench_topk_parts(rows, n, k, reps, trials):
         return topk_maxima.run_maxima(x, l, t.buckets_per_k * k)
 
     def floor(x, l):
-        return topk_floor.key_floor(x, l, k, t.buckets_per_k * k, bits=t.floor_bits,
-                                    radix_bits=t.radix_bits, num_warps=t.row_warps)
+        return driver.key_floor(x, l, k, t.buckets_per_k * k, bits=t.floor_bits,
+                                radix_bits=t.radix_bits, num_warps=t.row_warps)
 
     def lists(x, l):
         return topk_filter.filter_candidates(x, l, *floor(x, l), t.buckets_per_k * k, cap=cap,
@@ -214,7 +216,7 @@ def bench_topk_parts(rows, n, k, reps, trials):
 
     fns = {"run maxima": maxima, "+ floor": lambda x, l: floor(x, l)[0],
            "+ filter": lambda x, l: lists(x, l)[1],
-           "+ select (all of topk_pools)": lambda x, l: tk.topk_pools(x, l, k, tune=t)}
+           "+ select (all of topk_pools)": lambda x, l: driver.topk_pools(x, l, k, tune=t)}
     res = {name: time_read(f, (x, lengths), reps, trials, perturb=(1,)) for name, f in fns.items()}
     whole = res["+ select (all of topk_pools)"]
     return [dict(kind="topk", case=f"parts [{rows}, {n}] k={k}", impl=name, s=sec, vs_base=sec / whole)

@@ -110,7 +110,7 @@ def loops(sass: str):
 def cases():
     """name -> (fn, args): ops whose kernels are worth reading offline."""
     from pallas_kernels import topk as tk
-    from pallas_kernels import topk_maxima
+    from pallas_kernels.topk import maxima as topk_maxima
     x = jnp.zeros((64, 131072), jnp.float32)
     lens = jnp.full((64,), 131072, jnp.int32)
     xd = jnp.zeros((64, 32832), jnp.float32)                     # a decode row: 1026 pages of 32 pools

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_read as br  # noqa: E402
 from profile_kernels import cudart  # noqa: E402
-from pallas_kernels import topk as tk  # noqa: E402
+from pallas_kernels.topk import common as tk  # noqa: E402
+from pallas_kernels.topk import driver  # noqa: E402
 
 
 def main(argv=None):
@@ -36,9 +37,9 @@ def main(argv=None):
     t = tk.Tuning()
     calls = [("xla masked max", jax.jit(lambda x, l: jnp.max(br.masked(x, l), axis=1))),
              ("xla run maxima", jax.jit(lambda x, l: tk.run_maxima(x, l, t.buckets_per_k * k))),
-             ("topk_pools", jax.jit(lambda x, l: tk.topk_pools(x, l, k, tune=t)))]
+             ("topk_pools", jax.jit(lambda x, l: driver.topk_pools(x, l, k, tune=t)))]
     for v in (br.TOPK_SELECT_SWEEP[1:] if sweep else []):
-        calls.append((f"topk_pools {v}", jax.jit(lambda x, l, tv=tk.Tuning(**v): tk.topk_pools(x, l, k, tune=tv))))
+        calls.append((f"topk_pools {v}", jax.jit(lambda x, l, tv=tk.Tuning(**v): driver.topk_pools(x, l, k, tune=tv))))
     for _, f in calls:
         jax.block_until_ready(f(x, lens))
     lib = cudart()

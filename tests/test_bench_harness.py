@@ -86,9 +86,10 @@ def test_offline_sass_captures_each_kernel():
     CUDA lowering (on this CPU, through jax internals that may move): one module per
     kernel of the op, in launch order, with its name and launch parameters."""
     import offline_sass as osass
-    from pallas_kernels import topk as tk
+    from pallas_kernels.topk import common as tk
+    from pallas_kernels.topk import driver
     x = jnp.zeros((8, 8192), jnp.float32)
-    got = osass.capture(lambda x, l: tk.topk_pools(x, l, 64, interpret=False), x, jnp.full((8,), 8192, jnp.int32))
+    got = osass.capture(lambda x, l: driver.topk_pools(x, l, 64, interpret=False), x, jnp.full((8,), 8192, jnp.int32))
     assert [g[0] for g in got] == ["kpool_topk_maxima", "kpool_topk_floor", "kpool_topk_filter",
                                    "kpool_topk_select", "kpool_topk_fallback"]
     assert [g[1] for g in got] == [4, tk.ROW_WARPS, 8, 4, 4]

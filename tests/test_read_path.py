@@ -326,7 +326,8 @@ def test_topk_pools_exact_ties_and_short_rows(rng, splits):
 def test_topk_pools_tunings_are_exact(rng, tune):
     """Every launch shape of the sweep selects the same ids; the pre-filter floor
     admits at least k keys of each row (so it can never drop a top-k id)."""
-    from pallas_kernels import topk as tk
+    from pallas_kernels.topk import common as tk
+    from pallas_kernels.topk import driver
     t = {"no-prefilter": tk.Tuning(buckets_per_k=0, mode="stream"),
          "prefilter": tk.Tuning(buckets_per_k=4, mode="stream"),
          "small-chunks": tk.Tuning(score_chunk=64, target_programs=16, buckets_per_k=2, mode="stream"),
@@ -341,7 +342,7 @@ def test_topk_pools_tunings_are_exact(rng, tune):
     live = np.arange(n)[None, :] < lengths[:, None]
     assert (((keys >= floor[:, None]) & live).sum(axis=1) >= np.minimum(k, lengths)).all()
     assert floor[0] > 0 and floor[3] == 0                            # short row: no floor
-    got = np.asarray(tk.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k, tune=t))
+    got = np.asarray(driver.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k, tune=t))
     np.testing.assert_array_equal(got, np_topk(x, lengths, k))
 
 
@@ -350,7 +351,7 @@ def test_topk_filter_auto_cap():
     the row has a floor (never more than the row or MAX_SELECT_SLOTS), every key when
     it is too short for one. The H200 shape [64, 131072], k = 512: 2048 slots (the
     floor passes ~590 keys of a random row)."""
-    from pallas_kernels import topk as tk
+    from pallas_kernels.topk import common as tk
     t = tk.Tuning()
     assert t.mode == "filter" and t.filter_cap == 0
     assert tk.filter_cap(131072, 512, t) == 2048
@@ -427,14 +428,14 @@ def test_topk_select_ignores_list_order(rng, ti, tj):
     row's count hold the best possible key (stale bytes on the GPU); a select that
     broke ties by list position, ranked against only its own tile, or let a slot past
     the count in, fails."""
-    from pallas_kernels import topk as tk
-    from pallas_kernels import topk_select
+    from pallas_kernels.topk import common as tk
+    from pallas_kernels.topk import driver
     t = tk.Tuning(**FILTER_TUNINGS["cap-64"])
     x = rng.standard_normal((FILTER_ROWS, FILTER_N)).astype(np.float32)
     x[1] = rng.integers(0, 150, FILTER_N)
     lengths = np.array([FILTER_N, FILTER_N, 900, 10, FILTER_N, 3], np.int32)
     xs, ls = jnp.asarray(x), jnp.asarray(lengths)
-    floor, cnt, keys, ids, over = tk._filter_lists(xs, ls, FILTER_K, None, t)
+    floor, cnt, keys, ids, over = driver._filter_lists(xs, ls, FILTER_K, None, t)
     assert not bool(jnp.any(over))
     cnt, keys, ids = np.asarray(cnt), np.array(keys), np.array(ids)
     for r in range(FILTER_ROWS):
@@ -442,8 +443,8 @@ def test_topk_select_ignores_list_order(rng, ti, tj):
         keys[r, : cnt[r]], ids[r, : cnt[r]] = keys[r, p], ids[r, p]
         keys[r, cnt[r]:] = 0xFFFFFFFF                     # stale slots past the count: the best key,
         ids[r, cnt[r]:] = rng.integers(0, FILTER_N, keys.shape[1] - cnt[r])   # must never be ranked
-    got = topk_select.select_candidates(xs, ls, floor, jnp.asarray(cnt), jnp.asarray(keys), jnp.asarray(ids),
-                                        FILTER_K, ti=ti, tj=tj)
+    got = driver.select_candidates(xs, ls, floor, jnp.asarray(cnt), jnp.asarray(keys), jnp.asarray(ids),
+                                   FILTER_K, ti=ti, tj=tj)
     np.testing.assert_array_equal(np.asarray(got), np_topk(x, lengths, FILTER_K))
 
 
@@ -452,8 +453,8 @@ def test_topk_fallback_writes_only_overflowed_rows(rng):
     exceeds CAP and leaves every other row of the ids it is handed as it is: ids
     filled with a sentinel keep it byte for byte outside the overflowed rows, and
     those rows hold the oracle's top k (-1 padded, a short row included)."""
-    from pallas_kernels import topk as tk
-    from pallas_kernels import topk_fallback
+    from pallas_kernels.topk import common as tk
+    from pallas_kernels.topk import fallback as topk_fallback
     rows, n, k, cap = 6, 700, 24, 64
     x = rng.integers(0, 50, size=(rows, n)).astype(np.float32)              # ties everywhere
     lengths = np.array([n, 300, 10, n, 0, n], np.int32)
@@ -473,13 +474,14 @@ def test_topk_filter_ignores_stale_run_ids(rng):
     the count (stale bytes on the GPU; here negative, huge and real run ids) must be
     clamped to real runs and masked, never read as candidates."""
     from pallas_kernels import topk as tk
-    from pallas_kernels import topk_filter, topk_floor
+    from pallas_kernels.topk import driver
+    from pallas_kernels.topk import filter as topk_filter
     k, n = FILTER_K, FILTER_N
     x = rng.standard_normal((FILTER_ROWS, n)).astype(np.float32)
     lengths = np.array([n, n - 333, 0, 20, k, n + 50], np.int32)
     xs, ls = jnp.asarray(x), jnp.asarray(lengths)
     buckets, cap = tk.Tuning().buckets_per_k * k, 1024
-    floor, zeros, runs, n_runs = topk_floor.key_floor(xs, ls, k, buckets)
+    floor, zeros, runs, n_runs = driver.key_floor(xs, ls, k, buckets)
     clean = [np.asarray(v) for v in topk_filter.filter_candidates(xs, ls, floor, zeros, runs, n_runs, buckets,
                                                                  cap=cap)]
     stale = np.array(runs)
@@ -514,8 +516,8 @@ def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
     """The Pallas floor (radix k-th of the run maxima) == the XLA sort floor, bit for bit,
     over all 32 bits and over the top 16 (low bits cleared: lower, still >= k keys);
     the kernel also hands the filter its zeroed counters."""
-    from pallas_kernels import topk as tk
-    from pallas_kernels import topk_floor
+    from pallas_kernels.topk import common as tk
+    from pallas_kernels.topk import driver
     rows, buckets = 5, 4 * k
     x = (rng.standard_normal((rows, n)) if data == "random"
          else rng.integers(-3, 4, size=(rows, n)) if data == "ties"
@@ -528,13 +530,13 @@ def test_topk_floor_kernel_matches_bucket_floor(rng, data, k, n):
     if not tk.has_floor(n, k, buckets):
         assert (np.asarray(tk.bucket_floor(xs, ls, k, buckets)) == 0).all()
         with pytest.raises(ValueError, match="no floor"):
-            topk_floor.key_floor(xs, ls, k, buckets)
+            driver.key_floor(xs, ls, k, buckets)
         return
     top = np.asarray(tk.run_maxima(xs, ls, buckets))
     for bits, radix in [(32, 2), (32, 4), (16, 2)]:
         want = np.asarray(tk.bucket_floor(xs, ls, k, buckets, bits))
         got, zeros, runs, n_runs = (np.asarray(v) for v in
-                                    topk_floor.key_floor(xs, ls, k, buckets, bits=bits, radix_bits=radix))
+                                    driver.key_floor(xs, ls, k, buckets, bits=bits, radix_bits=radix))
         np.testing.assert_array_equal(got, want, err_msg=f"{bits} bits")
         np.testing.assert_array_equal(zeros, np.zeros(rows, np.int32))
         for r in range(rows):                                              # runs reaching the floor
@@ -551,7 +553,7 @@ def test_kth_key_prefix_skip_is_exact(rng):
     shares) == the full radix search, as plain jnp: rows whose keys share 0, a few,
     more than `bits` and all 32 bits, rows with zeros (empty runs), dead lanes, and
     fewer than k nonzero live keys; static and traced k; 1, 2 and 4-bit steps."""
-    from pallas_kernels import topk as tk
+    from pallas_kernels.topk import common as tk
     rows, c = 8, 256
     base = rng.integers(0, 2**32, (rows, 1), dtype=np.uint64)
     spread = np.array([32, 4, 10, 20, 0, 31, 2, 16], np.uint64)[:, None]     # low bits that vary per row
@@ -578,8 +580,8 @@ def test_topk_maxima_kernel_matches_xla(rng, rows, n, m):
     not tile the row (the masked load), and runs that tile the row but not the
     programs (1,025 runs of 8 over 3 programs of 512, as in a decode row of 32,832
     pools)."""
-    from pallas_kernels import topk as tk
-    from pallas_kernels import topk_maxima
+    from pallas_kernels.topk import common as tk
+    from pallas_kernels.topk import maxima as topk_maxima
     x = rng.standard_normal((rows, n)).astype(np.float32)
     x[0, rng.random(n) < 0.1] = np.nan
     x[1, : n // 2] = -np.abs(x[1, : n // 2])
@@ -598,7 +600,8 @@ def test_topk_filter_keeps_keys_at_the_floor(rng):
     programs: the filter's count and list hold exactly the valid keys >= floor (one
     dropped at the floor, or lost in a reservation, shows), and the top-k is exact
     whether or not the list overflowed."""
-    from pallas_kernels import topk as tk
+    from pallas_kernels.topk import common as tk
+    from pallas_kernels.topk import driver
     rows, n, k = 4, FILTER_N, FILTER_K
     buckets = tk.Tuning().buckets_per_k * k                                 # the floor's runs, as the
     run, m = tk.run_geometry(n, buckets)                                    # filter cuts them: 128 of 16
@@ -620,7 +623,7 @@ def test_topk_filter_keeps_keys_at_the_floor(rng):
     at_least = keys >= floor[:, None]                                       # every key the filter keeps
     for name, kw in FILTER_TUNINGS.items():
         t = tk.Tuning(**kw)
-        fl, cnt, kl, il, over = (np.asarray(v) for v in tk._filter_lists(xs, ls, k, None, t))
+        fl, cnt, kl, il, over = (np.asarray(v) for v in driver._filter_lists(xs, ls, k, None, t))
         np.testing.assert_array_equal(fl, floor, err_msg=name)              # 0.5 needs no low bits
         np.testing.assert_array_equal(cnt, at_least.sum(axis=1), err_msg=name)
         for r in range(rows):
@@ -628,7 +631,7 @@ def test_topk_filter_keeps_keys_at_the_floor(rng):
                 assert sorted(il[r, : cnt[r]]) == list(np.flatnonzero(at_least[r])), (name, r)
                 np.testing.assert_array_equal(kl[r, : cnt[r]], keys[r, il[r, : cnt[r]]])
         assert over.tolist() == (cnt > kl.shape[1]).tolist()
-        np.testing.assert_array_equal(np.asarray(tk.topk_pools(xs, ls, k, tune=t)), want, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(driver.topk_pools(xs, ls, k, tune=t)), want, err_msg=name)
 
 
 def test_topk_pools_more_k_than_pools(rng):

@@ -17,11 +17,11 @@ Grid: (B, ceil(n / BN), splits). A program holds BN query rows of one request
 decode request share every page read) and one contiguous range of page-table
 columns. For each step of `pages` page-table columns (ids ascending) it computes
 the [BN, pages*P] logits as paged_logits does (``paged_logits.score_pages``) and
-feeds them to the streaming selection of topk.py: a candidate is buffered only if
+feeds them to the streaming selection of topk/common.py: a candidate is buffered only if
 it beats the row's current k-th best; the buffer is compacted (exact radix
 threshold search) when it could overflow. With one split the program sorts its k survivors and writes the ids;
 with several (long contexts over few rows, to occupy the GPU) each split keeps
-its exact top-k survivors and a merge pass (topk.merge_candidates) streams them
+its exact top-k survivors and a merge pass (topk.common.merge_candidates) streams them
 in split order through the same selection. A split spans at least
 MIN_SPLIT_FACTOR * KP pools, so the survivors (k per split) are at most 1/8 of
 the pools and the merge input stays small.
@@ -37,10 +37,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .. import topk as tk
 from ..core import backend as B
 from ..core import numerics as nm
 from ..core.strides import CacheStrides
+from ..topk import common as tk
 from .paged_logits import (DOT_FORMS, WGMMA_DOT_ROWS, cache_views, check_geometry, key_source,
                            load_query_block, rows_per_block, score_pages)
 

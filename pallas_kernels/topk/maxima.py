@@ -1,7 +1,7 @@
 """Kernel: the run maxima of ``topk.topk_pools``'s key floor (spec 2.5, 5.9).
 
-Same value as ``topk.run_maxima`` (the XLA reduce), bit for bit: a row's columns
-are cut into M runs of RUN consecutive columns (``topk.run_geometry``: RUN a power
+Same value as ``common.run_maxima`` (the XLA reduce), bit for bit: a row's columns
+are cut into M runs of RUN consecutive columns (``common.run_geometry``: RUN a power
 of two), and entry m is the largest ``order_key`` of a valid column (id < the
 row's length) of run m, 0 when the run holds none. A program owns one row and G
 consecutive runs: one [G, RUN] load, the key, a max along the run. When the runs
@@ -24,8 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .core import backend as B
-from . import topk as tk
+from ..core import backend as B
+from . import common as tk
 
 TILE = 4096             # scores per program (G * RP)
 
@@ -54,7 +54,7 @@ def _kernel(len_ref, x_ref, top_ref, *, n_cols: int, m: int, run: int, rp: int, 
 
 
 def run_maxima(scores, lengths, buckets: int, *, interpret=None, num_warps: int = 4):
-    """scores [rows, n] f32, lengths [rows] i32 -> [rows, M] u32, == ``topk.run_maxima``."""
+    """scores [rows, n] f32, lengths [rows] i32 -> [rows, M] u32, == ``common.run_maxima``."""
     rows, n_cols = scores.shape
     run, m = tk.run_geometry(n_cols, buckets)
     g = max(1, min(tk.next_pow2(m), TILE // run))

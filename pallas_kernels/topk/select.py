@@ -1,6 +1,6 @@
 """Kernel: the final select of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
 
-The row's candidate list (``topk_filter``: the row's count n and its first n
+The row's candidate list (``filter``: the row's count n and its first n
 slots, in no particular order) holds every valid key >= the row's floor, and the
 floor passes only ~1.15 k keys of a random row. So the select needs no k-th key
 search: it ranks every candidate against all n by (key desc, id asc),
@@ -21,7 +21,7 @@ search, no scratch, no barrier: n * n comparisons per row spread over
 ceil(n / TI) programs (~600 x 600 at [64, 131072], k = 512; at most CAP x CAP).
 
 A row whose count exceeds CAP (the list overflowed: skewed or tied rows) is
-left alone here: ``select_candidates`` then launches ``topk_fallback``, which
+left alone here: ``driver.select_candidates`` then launches ``fallback``, which
 runs the exact streaming path on exactly those rows, in place in the same ids
 array (no host round trip; the second launch does nothing but read the counts
 when no row overflowed). The streaming path is kept out of this kernel because
@@ -41,9 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .core import backend as B
-from . import topk as tk
-from . import topk_fallback
+from ..core import backend as B
+from . import common as tk
 
 
 def _kernel(cnt_ref, kl_ref, il_ref, out_ref, *, k: int, cap: int, ti: int, tj: int):
@@ -88,14 +87,13 @@ def _kernel(cnt_ref, kl_ref, il_ref, out_ref, *, k: int, cap: int, ti: int, tj: 
             B.scatter(out_ref, orow, jnp.minimum(rank, k - 1), id_i, mine & (rank < k))
 
 
-def select_candidates(scores, lengths, floor, counts, keys, ids, k: int, *, ti: int = 64, tj: int = 64,
-                      interpret=None, num_warps: int = 4, num_stages: int = 1):
-    """scores [rows, n] f32, lengths [rows] i32, floor [rows] u32 (the filter's), and the
-    filter's counts [rows] i32, keys [rows, CAP] u32, ids [rows, CAP] i32 ->
-    [rows, k] i32: best ids by (key desc, id asc), -1 padded. Two launches: this
-    kernel, then ``topk_fallback`` on the rows whose list overflowed."""
-    rows, n_cols = scores.shape
-    cap = keys.shape[1]
+def rank_candidates(counts, keys, ids, k: int, *, ti: int = 64, tj: int = 64, interpret=None,
+                    num_warps: int = 4, num_stages: int = 1):
+    """The filter's counts [rows] i32, keys [rows, CAP] u32, ids [rows, CAP] i32 ->
+    [rows, k] i32: best ids by (key desc, id asc), -1 padded, on the rows whose list
+    did not overflow; the other rows are left for ``fallback.stream_overflowed``
+    (``driver.select_candidates`` launches both)."""
+    rows, cap = keys.shape
     kp = tk.next_pow2(k)
     for name, v in (("CAP", cap), ("TI", ti), ("TJ", tj)):
         if v < 1 or v & (v - 1):
@@ -103,10 +101,9 @@ def select_candidates(scores, lengths, floor, counts, keys, ids, k: int, *, ti: 
     ti = min(ti, max(cap, kp))
     interpret = B.resolve_interpret(interpret)
     kern = functools.partial(_kernel, k=k, cap=cap, ti=ti, tj=tj)
-    out = B.pallas_call(
+    return B.pallas_call(
         kern, grid=(rows, max(cap, kp) // ti),
         out_shape=jax.ShapeDtypeStruct((rows, k), jnp.int32),
         input_output_aliases={}, interpret=interpret, name="kpool_topk_select", num_warps=num_warps,
         num_stages=num_stages,
     )(counts.astype(jnp.int32), keys.astype(jnp.uint32), ids.astype(jnp.int32))
-    return topk_fallback.stream_overflowed(scores, lengths, floor, counts, out, cap=cap, interpret=interpret)

@@ -1,10 +1,10 @@
 """Kernel: the candidate filter of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
 
-Given the row's key floor and the runs whose maximum reaches it (``topk_floor``:
+Given the row's key floor and the runs whose maximum reaches it (``floor``:
 a row's columns are cut into M runs of RUN consecutive columns, and only a run
 whose maximum is >= the floor can hold a key >= the floor), a program owns G
 entries of one row's run list: one [G, RUN] load of those runs (RUN a power of
-two, ``topk.run_geometry``; the lanes of a run are contiguous, so the load
+two, ``common.run_geometry``; the lanes of a run are contiguous, so the load
 vectorises along them; list entries past the row's count are masked off), and it keeps the
 candidates with ``order_key(score) >= floor`` and id < length. It reserves room
 for them in the row's candidate list with one atomic add on the row's counter,
@@ -37,8 +37,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .core import backend as B
-from . import topk as tk
+from ..core import backend as B
+from . import common as tk
 
 TILE = 4096             # scores per program (G * RP)
 
@@ -82,9 +82,9 @@ def _kernel(len_ref, floor_ref, x_ref, runs_ref, nruns_ref, _cnt_in, cnt_ref, kl
 
 def filter_candidates(scores, lengths, floor, counts, runs, n_runs, buckets: int, *, cap: int,
                       interpret=None, num_warps: int = 4):
-    """scores [rows, n] f32, lengths [rows] i32, and from ``topk_floor``: floor [rows] u32,
+    """scores [rows, n] f32, lengths [rows] i32, and from ``floor``: floor [rows] u32,
     counts [rows] i32 (zeros), runs [rows, MP] i32, n_runs [rows] i32, over the runs of
-    ``topk.run_geometry(n, buckets)`` -> (counts [rows] i32, keys [rows, cap] u32, ids [rows, cap] i32)."""
+    ``common.run_geometry(n, buckets)`` -> (counts [rows] i32, keys [rows, cap] u32, ids [rows, cap] i32)."""
     rows, n_cols = scores.shape
     if cap < 1 or cap & (cap - 1):
         raise ValueError(f"filter cap must be a power of two, got {cap}")

@@ -1,11 +1,11 @@
 """Kernel: the key floor of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
 
-Same value as ``topk.bucket_floor(..., bits)``, bit for bit: per row, the k-th
-largest of the row's M run maxima (``topk_maxima``, a Pallas pass over the
-scores equal to the XLA ``topk.run_maxima``) with its low 32 - bits bits cleared,
+Same value as ``common.bucket_floor(..., bits)``, bit for bit: per row, the k-th
+largest of the row's M run maxima (``maxima``, a Pallas pass over the
+scores equal to the XLA ``common.run_maxima``) with its low 32 - bits bits cleared,
 so at least k valid keys of the row are >= it (k different runs each hold one);
 0 when fewer than k runs hold a valid key. ``bucket_floor`` finds it with an XLA
-sort of [rows, M]; this kernel with the radix search ``topk.kth_key`` over the
+sort of [rows, M]; this kernel with the radix search ``common.kth_key`` over the
 top `bits` bits on one [1, MP] tile per row (MP = M rounded up to a power of two,
 the padding lanes dead).
 
@@ -26,9 +26,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .core import backend as B
-from . import topk as tk
-from . import topk_maxima
+from ..core import backend as B
+from . import common as tk
 
 
 def _kernel(top_ref, floor_ref, cnt_ref, runs_ref, nruns_ref, *, k: int, m: int, mp: int, radix_bits: int,
@@ -53,18 +52,6 @@ def _kernel(top_ref, floor_ref, cnt_ref, runs_ref, nruns_ref, *, k: int, m: int,
     B.store(nruns_ref.at[row], jnp.sum(ri, axis=1), mask=on)
     B.store(cnt_ref.at[row], jnp.zeros((1,), jnp.int32), mask=on)
     B.store(floor_ref.at[row], floor, mask=on)
-
-
-def key_floor(scores, lengths, k: int, buckets: int, *, bits: int = 32, radix_bits: int = tk.RADIX_BITS,
-              interpret=None, num_warps: int = tk.ROW_WARPS):
-    """scores [rows, n] f32, lengths [rows] i32 -> (floor [rows] u32 == ``topk.bucket_floor``,
-    zeros [rows] i32, runs [rows, MP] i32, n_runs [rows] i32); needs ``topk.has_floor``."""
-    rows, n_cols = scores.shape
-    if not tk.has_floor(n_cols, k, buckets):
-        raise ValueError(f"no floor for rows of {n_cols} scores at k = {k}, {buckets} runs")
-    top = topk_maxima.run_maxima(scores, lengths, buckets, interpret=interpret)     # [rows, M]
-    return floor_of_maxima(top, k, bits=bits, radix_bits=radix_bits, interpret=interpret,
-                           num_warps=num_warps)
 
 
 def floor_of_maxima(top, k: int, *, bits: int = 32, radix_bits: int = tk.RADIX_BITS, interpret=None,

@@ -1,5 +1,9 @@
 """Kernel: exact, deterministic top-k over rows of scores (spec 2.5, 5.9).
 
+The shared floor of the ``topk`` package: order keys, the streaming core (also
+used by ``pallas_kernels.read.paged_topk``), ``Tuning`` and the constants. The stage
+modules import it and nothing else of the package; ``driver`` sits on top.
+
 Result per row: the k best candidates ordered by descending score, ties by
 ascending id, then -1 for the slots a row with fewer than k valid candidates
 leaves. Scores are compared through ``order_key`` (an exact uint32 image of the
@@ -31,18 +35,6 @@ contiguous range of candidate ids, and feeds it chunk by chunk, ids ascending:
 
 Grid: scores: (1, ceil(rows / BN), splits); candidates (merge): (B, ceil(n / BN)).
 Buffer row of padded row p (of B * ceil(n / BN) * BN) in split s: p * splits + s.
-
-``topk_pools`` runs this streaming path in mode "stream" (``Tuning.mode``).
-Mode "filter" (the default) runs five lean kernels instead, each in its own file:
-``topk_maxima`` (the row's run maxima), ``topk_floor`` (the key floor of
-``bucket_floor``, by a radix k-th search of the maxima in place of an XLA sort,
-and the list of runs whose maximum reaches it; it also zeroes the filter's
-counters), ``topk_filter`` (reads only those runs, ~an eighth of the row: each
-program reserves room in its row's candidate list with one atomic add and writes
-its keys >= floor there; a count > CAP means overflow) and ``topk_select`` (each
-candidate ranked against the row's others, ids by rank), then ``topk_fallback``
-(a row whose list overflowed runs this streaming path, with the same floor; the
-other rows return at once).
 """
 from __future__ import annotations
 
@@ -53,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .core import backend as B
+from ..core import backend as B
 
 RADIX_BITS = 2             # key bits decided per step of the threshold search
 RANK_TILE_ELEMS = 16384    # BN * TI * KP comparisons per rank tile
@@ -508,80 +500,3 @@ def filter_cap(n_cols: int, k: int, tune: Tuning) -> int:
     if tune.filter_cap:
         return tune.filter_cap
     return max(16, min(next_pow2(FILTER_ROOM_PER_K * k), next_pow2(n_cols), MAX_SELECT_SLOTS))
-
-
-def _stream_path(scores, lengths, floor, k: int, splits, interpret, tune: Tuning):
-    """The streaming filter (+ merge when a row is split) with the given key floor."""
-    rows, n_cols = scores.shape
-    g = Geometry(k=k, bn=1, ch=min(tune.score_chunk, next_pow2(n_cols)))
-    sp = choose_splits(rows, n_cols, k, splits, tune.target_programs)
-    split_cols = -(-(-(-n_cols // sp)) // g.ch) * g.ch               # per split, whole chunks
-    sp = -(-n_cols // split_cols)
-    final = sp == 1
-    res, kbuf, ibuf = _call(g, (lengths, floor, scores),
-                            source="scores", b=1, n=rows, splits=sp, final=final,
-                            interpret=interpret, name="kpool_topk", n_cols=n_cols,
-                            split_cols=split_cols, in_splits=0, num_warps=tune.num_warps)
-    if final:
-        return res
-    return merge_candidates(res, kbuf, ibuf, k, b=1, n=rows, bn=1, in_splits=sp, interpret=interpret)
-
-
-def _filter_lists(scores, lengths, k: int, interpret, tune: Tuning):
-    """Filter mode before the select: (floor [rows] u32, counts [rows] i32, keys [rows, CAP]
-    u32, ids [rows, CAP] i32, overflowed [rows] bool). Rows too short for a floor
-    (``has_floor``) get every valid key, in id order, from XLA (floor 0)."""
-    from . import topk_filter, topk_floor
-    rows, n_cols = scores.shape
-    buckets = tune.buckets_per_k * k
-    cap = filter_cap(n_cols, k, tune)
-    if not has_floor(n_cols, k, buckets):
-        keys = jnp.pad(order_key(scores), ((0, 0), (0, cap - n_cols)))
-        ids = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (rows, cap))
-        cnt = jnp.clip(lengths, 0, n_cols)
-        return jnp.zeros((rows,), jnp.uint32), cnt, keys, ids, cnt > cap
-    floor, zeros, runs, n_runs = topk_floor.key_floor(scores, lengths, k, buckets, bits=tune.floor_bits,
-                                                      radix_bits=tune.radix_bits, interpret=interpret,
-                                                      num_warps=tune.row_warps)
-    cnt, keys, ids = topk_filter.filter_candidates(scores, lengths, floor, zeros, runs, n_runs, buckets,
-                                                   cap=cap, interpret=interpret, num_warps=tune.filter_warps)
-    return floor, cnt, keys, ids, cnt > cap
-
-
-def _check_args(scores, lengths):
-    return scores.astype(jnp.float32), lengths.astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "tune"))
-def filter_overflowed(scores, lengths, k: int, *, interpret=None, tune: Tuning = Tuning(mode="filter")):
-    """() bool: whether filter mode would take the streaming path for some row of these
-    inputs (the row's candidates >= floor overflow its candidate list)."""
-    scores, lengths = _check_args(scores, lengths)
-    return jnp.any(_filter_lists(scores, lengths, k, interpret, tune)[4])
-
-
-@functools.partial(jax.jit, static_argnames=("k", "splits", "interpret", "tune"))
-def topk_pools(scores, lengths, k: int, *, splits=None, interpret=None, tune: Tuning = Tuning()):
-    """scores: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid).
-    Returns [rows, k] i32: best ids by (score desc, id asc), -1 padded.
-
-    `splits` (programs per row of the streaming kernel) applies to the stream path
-    only (filter mode's fallback streams each overflowed row in one program)."""
-    rows, n_cols = scores.shape
-    if rows == 0:
-        return jnp.zeros((0, k), jnp.int32)
-    if n_cols == 0:
-        return jnp.full((rows, k), -1, jnp.int32)
-    scores, lengths = _check_args(scores, lengths)
-    if tune.mode == "filter":
-        # Exact: a row whose list did not overflow holds every valid key >= floor (and at
-        # least k valid keys are >= floor, or the floor is 0 and the list holds every
-        # valid key); the fallback kernel after the select runs the exact streaming path
-        # (same floor) on a row whose list overflowed. No host round trip.
-        from . import topk_select
-        floor, cnt, keys, ids, _ = _filter_lists(scores, lengths, k, interpret, tune)
-        return topk_select.select_candidates(scores, lengths, floor, cnt, keys, ids, k, ti=tune.select_ti,
-                                             tj=tune.select_tj, interpret=interpret,
-                                             num_warps=tune.select_warps, num_stages=tune.select_stages)
-    floor = bucket_floor(scores, lengths, k, tune.buckets_per_k * k)
-    return _stream_path(scores, lengths, floor, k, splits, interpret, tune)

@@ -1,12 +1,12 @@
 """Kernel: the exact streaming top-k of the rows whose candidate list overflowed
 (filter mode of ``topk.topk_pools``; spec 2.5, 5.9).
 
-Filter mode's select (``topk_select``) ranks a row's candidate list; a row whose
+Filter mode's select (``select``) ranks a row's candidate list; a row whose
 count exceeds the list's CAP slots (skewed or tied rows: more keys >= the floor
 than fit) is left to this kernel. Program r reads row r's count and returns at
 once unless it overflowed; then it streams the row's scores through the exact
-filter of ``topk.stream`` (prefiltered at the same floor, so every key of the top
-k passes) and writes the row's ids by ``topk.emit_sorted``: (key desc, id asc),
+filter of ``common.stream`` (prefiltered at the same floor, so every key of the top
+k passes) and writes the row's ids by ``common.emit_sorted``: (key desc, id asc),
 -1 padded. A separate launch because Triton sizes a kernel's registers for its
 largest path: inside the select, this path cost the select its occupancy.
 
@@ -23,8 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .core import backend as B
-from . import topk as tk
+from ..core import backend as B
+from . import common as tk
 
 FALLBACK_CHUNK = 2048   # scores per step of the streaming path on an overflowed row
 
