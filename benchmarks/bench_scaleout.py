@@ -28,7 +28,7 @@ import time
 import jax
 
 from glm5_jax import simulate
-from glm5_jax.model import Decoder
+from glm5_jax.model.decoder import Decoder
 
 # per device (the gpu preset otherwise): a 5000-token cached prompt, 24 fillers of 200..3000
 # tokens over 2 rounds, 16 running, one pinned step shape of 16 decode rows + 4 x 512 prefill
@@ -46,11 +46,11 @@ def parse(argv):
     ap.add_argument("--concurrency", type=int, default=None, help="running requests per device")
     ap.add_argument("--goal", type=float, default=1.8, help="required speed-up of the largest count over 1")
     ap.add_argument("--contractions", choices=("xla", "pallas"), default=None,
-                    help="who runs the model's projections (glm5_jax.invariant.CONTRACTIONS; default: its value, "
+                    help="who runs the model's projections (glm5_jax.model.invariant.CONTRACTIONS; default: its value, "
                          "auto = pallas on a GPU)")
     ap.add_argument("--kernels", default=None,
                     help="with pallas contractions, which ones run as kernels: a comma list of "
-                         "linear, attention, norms (glm5_jax.invariant.PALLAS_KERNELS; default: all)")
+                         "linear, attention, norms (glm5_jax.model.invariant.PALLAS_KERNELS; default: all)")
     ap.add_argument("--async-scheduling", type=int, nargs="?", const=1, default=2, choices=(0, 1, 2),
                     help="Engine(async_scheduling=N): plan and dispatch step i+1 before waiting for step i+1-N "
                          "(N steps in flight; 1 without a value; default 2, the serving configuration; "
@@ -78,7 +78,7 @@ def workload(a, devices: int, num_blocks=None) -> simulate.Workload:
 
 def main(argv=None) -> int:
     a, counts = parse(argv)
-    from glm5_jax import invariant
+    from glm5_jax.model import invariant
     if a.contractions is not None:
         invariant.CONTRACTIONS = a.contractions
     if a.kernels is not None:

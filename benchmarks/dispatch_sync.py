@@ -8,7 +8,7 @@ until the call returns to Python and the time until its result is ready, and the
 ratio. A ratio near 0 means the call only queued the work (asynchronous dispatch:
 the host is free while the device computes); near 1 means the runtime waited for
 the device inside the call. The serving step must be in the first group for host
-work to overlap the devices (issue 8; ``glm5_jax.sharding.host_waits`` finds the
+work to overlap the devices (issue 8; ``glm5_jax.serving.sharding.host_waits`` finds the
 waiting instructions in a compiled program's text).
 """
 from __future__ import annotations

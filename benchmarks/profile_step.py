@@ -31,9 +31,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from glm5_jax import engine as eng_mod
-from glm5_jax import invariant, sharding, simulate
-from glm5_jax.model import Decoder
+from glm5_jax import simulate
+from glm5_jax.model import invariant
+from glm5_jax.model.decoder import Decoder
+from glm5_jax.serving import engine as eng_mod
+from glm5_jax.serving import sharding
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import trace_read as tr  # noqa: E402
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
         import pallas_kernels.contractions.ordered_linear as ol
         ol.UNROLL, ol.TILE_COLS_TRANSPOSED = 4, 64
     if a.word_gather or a.gather_attention:
-        from glm5_jax import model as model_mod
+        from glm5_jax.model import decoder as model_mod
         model_mod.ATTENTION_FROM_ROWS = False
     if a.shift_unpack:
         if not a.gather_attention:

@@ -30,9 +30,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from glm5_jax import engine as eng_mod
-from glm5_jax import invariant, sharding, simulate
-from glm5_jax.model import Decoder
+from glm5_jax import simulate
+from glm5_jax.model import invariant
+from glm5_jax.model.decoder import Decoder
+from glm5_jax.serving import engine as eng_mod
+from glm5_jax.serving import sharding
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_scaleout import GPU_OVERRIDES  # noqa: E402

@@ -46,7 +46,7 @@ from .layout import FAULTS
 class Workload:
     """Sizes of one probe run (``preset("cpu")`` / ``preset("gpu")``); the request counts
     and limits are per device shard, ``devices`` shards serve ``devices`` times the requests."""
-    model_config: object                   # glm5_jax.model.ModelConfig
+    model_config: object                   # glm5_jax.model.decoder.ModelConfig
     prompt_tokens: int = 168
     fillers: int = 16
     rounds: int = 4
@@ -83,7 +83,7 @@ class Workload:
 
 
 def preset(device: str = "cpu", **overrides) -> Workload:
-    from .model import ModelConfig
+    from .model.decoder import ModelConfig
     if device == "cpu":
         base = Workload(model_config=ModelConfig())
     elif device == "gpu":
@@ -208,7 +208,7 @@ def workload_mesh(w: Workload):
     """A ``data`` mesh over the first ``w.devices`` devices (ValueError if jax sees fewer)."""
     import jax
 
-    from . import sharding
+    from .serving import sharding
     devs = jax.devices()
     if w.devices > len(devs):
         raise ValueError(f"{w.devices} devices requested but jax sees {len(devs)} {jax.default_backend()} "
@@ -221,8 +221,8 @@ def engine_for(w: Workload, model, num_blocks: int, mesh, *, dry_run: bool = Fal
     it records selections and snapshots of the re-hits and controls only (the
     probe compares those; a whole-cache host copy per finished filler would cost
     more than the step on a GPU-sized cache)."""
-    from .engine import Engine
-    from .step_metadata import BucketMins, bucket
+    from .serving.engine import Engine
+    from .serving.step_metadata import BucketMins, bucket
     bs = w.model_config.indexer.block_size
     mins = BucketMins()
     if w.pin_buckets:
@@ -262,7 +262,7 @@ def dry_run(w: Workload, num_blocks: int, model=None, mesh=None) -> dict:
     the real run's allocations. Returns evictions (all shards) and whether every
     re-hit reused its prompt's original blocks on the prompt's shard in every round.
     """
-    from .model import Decoder
+    from .model.decoder import Decoder
     model = model if model is not None else Decoder.random(w.model_config, seed=w.seed)
     prompts, fillers, news = draw_requests(w)
     bs = w.model_config.indexer.block_size
@@ -311,7 +311,7 @@ class _WatchedBytes:
         from pallas_kernels.core.addressing import view_row_col
         from pallas_kernels.core.strides import WORD_BYTES
 
-        from . import sharding
+        from .serving import sharding
         words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in ranges_bytes])
         device = next(iter(sharding.device_shard(eng.cache, shard).devices()))
         self.shard = shard
@@ -331,7 +331,7 @@ class _WatchedBytes:
         """Compare the watched bytes as they are now (after step ``eng.steps``) with the
         snapshot, on the device, and start copying the two counts to the host; the
         call does not wait (`finish` does)."""
-        from . import sharding
+        from .serving import sharding
         counts = _jitted()[1](sharding.device_shard(eng.cache, self.shard), self.rows, self.cols,
                               self.snapshot, page_bytes=self._page_bytes)
         counts.copy_to_host_async()
@@ -355,7 +355,7 @@ def _jitted():
     if not _JITTED:
         import jax
 
-        from . import sharding
+        from .serving import sharding
         _JITTED.extend([sharding.gather_view_words, jax.jit(_changed_counts, static_argnames=("page_bytes",))])
     return _JITTED
 
@@ -404,8 +404,8 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
     shard in ``shards``."""
     import numpy as np
 
-    from .blocks import chain_hashes
-    from .model import Decoder
+    from .model.decoder import Decoder
+    from .serving.blocks import chain_hashes
 
     cfg = w.model_config
     idx = cfg.indexer

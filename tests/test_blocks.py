@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from glm5_jax.blocks import BlockPool, chain_hashes
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
+from glm5_jax.serving.blocks import BlockPool, chain_hashes
 
 BS = 4
 

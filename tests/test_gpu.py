@@ -129,7 +129,7 @@ def test_read_path_never_waits_on_the_host(rng):
     """topk_pools compiled for the GPU (filter mode, its fallback under a lax.cond)
     has no loop at which XLA's GPU runtime waits for the device (a while loop
     without a known trip count): the serving step's dispatch is not held."""
-    from glm5_jax import sharding
+    from glm5_jax.serving import sharding
     from pallas_kernels.topk import topk_pools
     scores = jnp.asarray(rng.standard_normal((8, 4096)), jnp.float32)
     lengths = jnp.asarray(rng.integers(0, 4097, 8), jnp.int32)
@@ -142,7 +142,7 @@ def test_read_path_never_waits_on_the_host(rng):
 def test_ordered_linear_compiled_equals_the_chain(rng, monkeypatch, mode, n):
     """The projection kernel compiled for the GPU gives the XLA chain's bits at the
     serving step's sizes (2,064 tokens, K = 512)."""
-    from glm5_jax import invariant as inv
+    from glm5_jax.model import invariant as inv
     from pallas_kernels.contractions.ordered_linear import ordered_linear
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the chain ("auto" is the kernel on a GPU)
     dt = jnp.bfloat16 if mode == "bf16" else jnp.float32
@@ -158,7 +158,7 @@ def test_attention_and_norm_kernels_compiled_equal_the_chains(rng, monkeypatch):
     """The attention's per-token products (scores with the K rows as gathered, then
     the weighted sum over 2,051 selected tokens) and the norms' sums of squares,
     compiled for the GPU, give the XLA chains' bits at the serving step's sizes."""
-    from glm5_jax import invariant as inv
+    from glm5_jax.model import invariant as inv
     from pallas_kernels.contractions.ordered_linear import ordered_linear
     from pallas_kernels.contractions.ordered_sumsq import ordered_sumsq
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")

@@ -11,12 +11,12 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from glm5_jax import invariant as inv
 from glm5_jax.config import IndexerConfig
-from glm5_jax.indexer import (PARAM_NAMES, Indexer, indexer_state_dict, load_indexer_safetensors,
-                              save_indexer_safetensors)
 from glm5_jax.layout import CacheLayout
-from glm5_jax.step_metadata import BucketMins, RowSpec, build_step, choose_shape
+from glm5_jax.model import invariant as inv
+from glm5_jax.model.indexer import (PARAM_NAMES, Indexer, indexer_state_dict, load_indexer_safetensors,
+                                    save_indexer_safetensors)
+from glm5_jax.serving.step_metadata import BucketMins, RowSpec, build_step, choose_shape
 from glm5_jax.testing import _golden_compress
 
 HIDDEN, QL = 64, 32

@@ -16,13 +16,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from glm5_jax import engine as eng_mod
 from glm5_jax import simulate
-from glm5_jax.blocks import BlockPool
 from glm5_jax.config import IndexerConfig
-from glm5_jax.engine import Engine
-from glm5_jax.model import Decoder, ModelConfig
-from glm5_jax.step_metadata import BucketMins, RowSpec, bucket, build_step, choose_shape
+from glm5_jax.model.decoder import Decoder, ModelConfig
+from glm5_jax.serving import engine as eng_mod
+from glm5_jax.serving.blocks import BlockPool
+from glm5_jax.serving.engine import Engine
+from glm5_jax.serving.step_metadata import BucketMins, RowSpec, bucket, build_step, choose_shape
 from pallas_kernels.core import addressing as addr
 
 MODEL_CFG = ModelConfig()                       # hidden 256, 2 layers, vocab 512, topk 64, blocks of 64
@@ -158,7 +158,7 @@ def test_kv_row_gather_equals_the_word_gather(rng):
     every layer, with -1 tokens, tokens past the block table and block ids past the pool;
     a layout whose rows are not aligned to their size refuses the row form."""
     import jax.numpy as jnp
-    from glm5_jax.model import gather_kv
+    from glm5_jax.model.decoder import gather_kv
     from pallas_kernels.core.strides import AttnStrides
     lay = MODEL_CFG.layout(NB)
     cache = jnp.asarray(rng.integers(0, 2**32, lay.total_bytes // 4, dtype=np.uint64).astype(np.uint32))
@@ -190,7 +190,7 @@ def test_attention_from_rows_equals_the_gathered_attention(rng):
     and block ids past the pool (no row: masked, zero)."""
     import jax.numpy as jnp
     import ml_dtypes
-    from glm5_jax.model import gather_kv, kv_rows, kv_table, sparse_attention, sparse_attention_rows
+    from glm5_jax.model.decoder import gather_kv, kv_rows, kv_table, sparse_attention, sparse_attention_rows
     lay = MODEL_CFG.layout(NB)
     vals = (rng.standard_normal(lay.total_bytes // 2) * 0.5).astype(ml_dtypes.bfloat16)   # finite K/V everywhere
     cache = jnp.asarray(vals.view(np.uint32))
@@ -405,7 +405,7 @@ def test_request_snapshot_reads_only_the_request_blocks(rng, monkeypatch):
     """request_snapshot brings only the request's blocks to the host (not the whole
     shard) and returns exactly what a whole-cache copy gives, with random garbage in
     every other block; the words it gathers lie in the request's blocks."""
-    from glm5_jax import sharding
+    from glm5_jax.serving import sharding
     e = make_engine(random_model(rng), rng)
     for i in range(3):
         e.add_request(f"r{i}", tokens(rng, int(rng.integers(70, 150))), 50)
@@ -602,7 +602,7 @@ def test_step_updates_the_cache_in_place(rng):
     """The one-device step (the N = 1 case of the sharded step) keeps the donated cache
     in place: no copy of it in the compiled program, the same device buffer after a step;
     and it has no instruction that makes the runtime wait for the device."""
-    from glm5_jax import sharding
+    from glm5_jax.serving import sharding
     e = make_engine(random_model(rng))
     e.add_request("r", tokens(rng, int(rng.integers(20, 120))), 3)
     ptr = e.cache.addressable_shards[0].data.unsafe_buffer_pointer()
@@ -621,7 +621,7 @@ def test_projection_kernel_changes_no_byte(rng, monkeypatch):
     engine runs a different compiled step for it (the mode is a static argument of
     the jitted step: which of the two compiles here depends on what earlier tests
     in the process compiled, so the static argument itself is checked)."""
-    from glm5_jax import invariant as inv
+    from glm5_jax.model import invariant as inv
     model = random_model(rng)
     prompts = [tokens(rng, int(rng.integers(40, 100)))]                 # small: interpret mode on CPU
     garbage_seed = int(rng.integers(2**31))                             # the same garbage in both caches

@@ -1,4 +1,4 @@
-"""Scale-out over several devices (glm5_jax.sharding, Engine on a mesh).
+"""Scale-out over several devices (glm5_jax.serving.sharding, Engine on a mesh).
 
 The device count is fixed when jax starts, so the multi-device cases run in a
 subprocess: on forced CPU devices (``--xla_force_host_platform_device_count``),
@@ -27,11 +27,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from glm5_jax import sharding, simulate
+from glm5_jax import simulate
 from glm5_jax.config import IndexerConfig
-from glm5_jax.engine import Engine
 from glm5_jax.layout import CacheLayout
-from glm5_jax.model import Decoder, ModelConfig
+from glm5_jax.model.decoder import Decoder, ModelConfig
+from glm5_jax.serving import sharding
+from glm5_jax.serving.engine import Engine
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 REPO = pathlib.Path(__file__).resolve().parent.parent

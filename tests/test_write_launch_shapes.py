@@ -69,8 +69,8 @@ def test_engine_request_ends_from_step_metadata_seed_the_same_bytes(rng):
     """The indexer derives request_ends_tokens from the prefill grid (prefill_row_ends): with
     them the seed kernel writes the reference's bytes for chunks of any length and
     start (non-aligned starts put head tokens in the grid row)."""
-    from glm5_jax.indexer import prefill_row_ends
-    from glm5_jax.step_metadata import RowSpec, build_step, choose_shape
+    from glm5_jax.model.indexer import prefill_row_ends
+    from glm5_jax.serving.step_metadata import RowSpec, build_step, choose_shape
     cfg = IndexerConfig(block_size=64)
     layout = CacheLayout(cfg, num_layers=1, num_blocks=20)
     rows = []

@@ -1,4 +1,4 @@
-"""Kernel: x @ w as one ordered chain (``glm5_jax.invariant.linear`` / ``linear_f32``
+"""Kernel: x @ w as one ordered chain (``glm5_jax.model.invariant.linear`` / ``linear_f32``
 / ``batched_linear``).
 
 out[g, m, n] = (...((0 + x[g, m, 0] w[g, 0, n]) + x[g, m, 1] w[g, 1, n]) + ...) + x[g, m, K-1] w[g, K-1, n]
@@ -7,7 +7,7 @@ at most 16 significant bits (mode "bf16"), and an f32 x f32 product goes through
 ``numerics.mac``'s four exact partial products (mode "f32"). An FMA and a
 multiply-then-add therefore round the same, so the bits equal the XLA chain's on
 every backend, and a row's result depends neither on the other rows nor on the
-tile shape (batch invariance, glm5_jax.invariant).
+tile shape (batch invariance, glm5_jax.model.invariant).
 
 Why a kernel: the XLA chain is a fori_loop whose body the GPU runtime launches
 from the host once per iteration; the serving step of bench_scaleout ran ~1,800

@@ -1,9 +1,9 @@
-"""Kernel: sum_j x[m, j]**2 as one ordered chain (``glm5_jax.invariant.sum_sq_last``).
+"""Kernel: sum_j x[m, j]**2 as one ordered chain (``glm5_jax.model.invariant.sum_sq_last``).
 
 out[m] = mac(...mac(mac(0, x[m, 0], x[m, 0]), x[m, 1], x[m, 1])..., x[m, K-1], x[m, K-1])
 in f32, j ascending, each square through ``numerics.mac``'s four exact partial
 products: the same operations in the same order as the XLA chain, so the same
-bits on every backend and for any batch (glm5_jax.invariant). The norms of the
+bits on every backend and for any batch (glm5_jax.model.invariant). The norms of the
 model (RMSNorm, the indexer's LayerNorm) call it once per norm instead of the XLA
 chain's K / UNROLL host-launched loop iterations.
 

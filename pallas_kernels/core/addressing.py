@@ -162,7 +162,7 @@ def table_pool(s: CacheStrides, col, row):
     return col * s.page_rows + row
 
 
-# ---- attention region (bf16 K/V rows of the tiny decoder, glm5_jax.model) -------
+# ---- attention region (bf16 K/V rows of the tiny decoder, glm5_jax.model.decoder) -------
 # Block b of a layer's attention region: [block_size K rows][block_size V rows][pad].
 # A token-granular attention slot is block * block_size + pos % block_size; the
 # request's block table (manager block ids) maps a request-relative token to it.

@@ -23,11 +23,11 @@ from jax import lax
 sys.path.insert(0, "tests")
 import test_read_path as tr  # noqa: E402
 import test_serving as ts  # noqa: E402
-from glm5_jax import invariant as inv  # noqa: E402
 from glm5_jax import ops  # noqa: E402
 from glm5_jax import reference as ref  # noqa: E402
 from glm5_jax.config import IndexerConfig  # noqa: E402
 from glm5_jax.layout import CacheLayout  # noqa: E402
+from glm5_jax.model import invariant as inv  # noqa: E402
 from pallas_kernels.contractions.ordered_linear import ordered_linear  # noqa: E402
 
 SEEDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6

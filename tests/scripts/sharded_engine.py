@@ -28,10 +28,11 @@ import sys
 import jax
 import numpy as np
 
-from glm5_jax import engine as eng_mod
-from glm5_jax import sharding, simulate
+from glm5_jax import simulate
 from glm5_jax.config import IndexerConfig
-from glm5_jax.model import Decoder, ModelConfig
+from glm5_jax.model.decoder import Decoder, ModelConfig
+from glm5_jax.serving import engine as eng_mod
+from glm5_jax.serving import sharding
 
 SEED = int(sys.argv[1])
 SIZES = [int(n) for n in sys.argv[2:]]

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax import ops, sharding
+from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
+from glm5_jax.serving import sharding
 from glm5_jax.testing import Scenario
 
 impl = sys.argv[1]

@@ -18,7 +18,7 @@ only through ``pallas_kernels.core.addressing`` (``attn_*``): block b holds its
 block_size K rows, then its V rows, bf16. Attention never reads a token the
 indexer did not select, so a corrupted indexer page changes the output.
 
-All math is batch invariant (``glm5_jax.invariant``) and the selected indices are
+All math is batch invariant (``glm5_jax.model.invariant``) and the selected indices are
 sorted before the gather, so a token's output depends only on its own context and
 its selected token set, not on chunking, batching or the order top-k emitted.
 """
@@ -32,10 +32,10 @@ from jax import lax
 
 from pallas_kernels.core import addressing as addr
 
+from ..config import IndexerConfig
+from ..layout import CacheLayout
 from . import invariant as inv
-from .config import IndexerConfig
 from .indexer import Indexer, _normal
-from .layout import CacheLayout
 
 BF16_BYTES = 2
 # Where the attention's contraction kernels run (``invariant.kernel_for("attention")``, a GPU

@@ -22,7 +22,7 @@ writes the cache through ``glm5_jax.ops`` (decode grid and the heads of
 non-aligned prefill chunks through ``decode_update``, the aligned prefill rest
 through ``compress_prefill`` + ``seed_tail``), then selects each query row's
 tokens with ``ops.select_tokens``. All projections are batch invariant
-(``glm5_jax.invariant``): a token's k, gate, q and weights do not depend on what
+(``glm5_jax.model.invariant``): a token's k, gate, q and weights do not depend on what
 else is in the step.
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .. import ops
+from ..config import IndexerConfig
+from ..layout import CacheLayout
 from . import invariant as inv
-from . import ops
-from .config import IndexerConfig
-from .layout import CacheLayout
 
 K_NORM_EPS = 1e-6
 
@@ -130,7 +130,7 @@ class Indexer(nnx.Module):
         """Write this step's tokens into the cache, then select tokens for every query row.
 
         x, qr: [T, ...] bf16 for the step's flat tokens (decode grid first, then the
-        prefill grid; ``glm5_jax.step_metadata``). ``batch``: the step arrays (dict).
+        prefill grid; ``glm5_jax.serving.step_metadata``). ``batch``: the step arrays (dict).
         ``projections``: (k, gate, q, weights) if already computed (``project``).
         Returns (cache, selected [T, topk + kpool - 1] i32 request-relative tokens,
         decode-grid rows first).

@@ -37,8 +37,8 @@ import dataclasses
 
 import numpy as np
 
-from . import metadata as md
-from .config import IndexerConfig
+from .. import metadata as md
+from ..config import IndexerConfig
 
 
 def bucket(n: int, minimum: int = 1) -> int:

@@ -69,13 +69,13 @@ from flax import nnx
 
 from pallas_kernels.core.strides import WORD_BYTES
 
-from . import invariant as inv
-from . import metadata as md
-from . import ops
+from .. import metadata as md
+from .. import ops
+from ..layout import CacheLayout
+from ..model import invariant as inv
+from ..model.decoder import Decoder
 from . import sharding
 from .blocks import BlockPool
-from .layout import CacheLayout
-from .model import Decoder
 from .step_metadata import BucketMins, RowSpec, StepShape, bucket, build_step, choose_shape
 
 _TRACE_COUNT = [0]

@@ -12,7 +12,7 @@ cache bytes between devices, and a donated cache stays in place.
 One device is the N = 1 case of the same code: ``single_device_mesh()`` and a
 cache of shape ``[1, total_words]``.
 
-Host side (``glm5_jax.engine``): one BlockPool per shard; ``put_per_shard``
+Host side (``glm5_jax.serving.engine``): one BlockPool per shard; ``put_per_shard``
 places stacked per-device step metadata, ``host_shard`` reads one device's row
 back without touching the others. ``cache_traffic`` reads a compiled step's HLO
 text and lists what would break those promises: cross-device ops, copies of the
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import ops
-from .layout import CacheLayout
+from .. import ops
+from ..layout import CacheLayout
 
 AXIS = "data"
 
