@@ -21,10 +21,21 @@ All implementations write identical bytes.
 """
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_kernels.read import expand as _expand
+from pallas_kernels.read import paged_logits as _paged_logits
+from pallas_kernels.read import paged_topk as _paged_topk
+from pallas_kernels.read import query_quant as _query_quant
+from pallas_kernels.topk import topk_pools as _topk_kernel
 from pallas_kernels.triton_lang import _call as _triton
+from pallas_kernels.writes import decode_update as _decode_update
+from pallas_kernels.writes import pool_compress as _pool_compress
+from pallas_kernels.writes import tail_seed as _tail_seed
 
 from . import reference as ref
 from .layout import CacheLayout
@@ -125,7 +136,6 @@ def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool, positions=None)
     """
     if not _concrete(slot_mapping, positions):
         return
-    import numpy as np
     sm = np.asarray(slot_mapping).ravel()
     c = layout.config
     limit = layout.num_blocks * c.pools_per_block
@@ -172,19 +182,12 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
     if request_ends_tokens is not None:
         _check(op, "request_ends_tokens", request_ends_tokens, (request_ends_tokens.shape[0],), _INT)
         if _concrete(request_ends_tokens):
-            import numpy as np
             e = np.asarray(request_ends_tokens)
             if (e > t).any():
                 raise ValueError(f"{op}: request_ends_tokens must be <= the batch's {t} rows, got max {e.max()}")
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)
-    if impl == "xla":
-        return ref.seed_tail_strides(cache, s, key, gate, tslot)
-    if impl == "triton":
-        from pallas_kernels.triton_lang.tail_seed import seed_tail as triton_kernel
-        return triton_kernel(cache, s, key, gate, tslot, request_ends_tokens)
-    from pallas_kernels.writes.tail_seed import seed_tail as kernel
-    return kernel(cache, s, key, gate, tslot, request_ends_tokens, interpret=interpret)
+    return DISPATCH[op, impl](cache, s, key, gate, tslot, request_ends_tokens, interpret=interpret)
 
 
 def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, *,
@@ -204,13 +207,7 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
     _check_pool_slots(op, slot_mapping, layout, flat_rows=True)
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)
-    if impl == "xla":
-        return ref.compress_prefill_strides(cache, s, key, gate, ape, slot_mapping)
-    if impl == "triton":
-        from pallas_kernels.triton_lang.pool_compress import compress_prefill as triton_kernel
-        return triton_kernel(cache, s, key, gate, ape, slot_mapping)
-    from pallas_kernels.writes.pool_compress import compress_prefill as kernel
-    return kernel(cache, s, key, gate, ape, slot_mapping, interpret=interpret)
+    return DISPATCH[op, impl](cache, s, key, gate, ape, slot_mapping, interpret=interpret)
 
 
 def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, tslot,
@@ -234,13 +231,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     _check_pool_slots(op, slot_mapping, layout, flat_rows=False, positions=positions)
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)
-    if impl == "xla":
-        return ref.decode_update_strides(cache, s, key, gate, ape, slot_mapping, tslot, positions)
-    if impl == "triton":
-        from pallas_kernels.triton_lang.decode_update import decode_update as triton_kernel
-        return triton_kernel(cache, s, key, gate, ape, slot_mapping, tslot, positions)
-    from pallas_kernels.writes.decode_update import decode_update as kernel
-    return kernel(cache, s, key, gate, ape, slot_mapping, tslot, positions, interpret=interpret)
+    return DISPATCH[op, impl](cache, s, key, gate, ape, slot_mapping, tslot, positions, interpret=interpret)
 
 
 def fwht_quant(q, *, implementation=None, interpret=None):
@@ -249,10 +240,7 @@ def fwht_quant(q, *, implementation=None, interpret=None):
     if q.ndim != 2 or q.shape[1] != 128:
         raise ValueError(f"{op}: q must be [rows, 128], got {tuple(q.shape)}")
     _check(op, "q", q, q.shape, _BF16)
-    if _impl(op, implementation) == "xla":
-        return ref.fwht_quant(q)
-    from pallas_kernels.read.query_quant import fwht_quant as kernel
-    return kernel(q, interpret=interpret)
+    return DISPATCH[op, _impl(op, implementation)](q, interpret=interpret)
 
 
 # =================================================================================
@@ -326,8 +314,7 @@ def prepare_queries(q, weights, *, implementation=None, interpret=None):
 
 def _pallas_read_ok(s, hp) -> bool:
     try:
-        from pallas_kernels.read.paged_logits import check_geometry
-        check_geometry(s, hp)
+        _paged_logits.check_geometry(s, hp)
         return True
     except ValueError:
         return False
@@ -340,9 +327,8 @@ def _read_impl(op, implementation, s, hp):
     if impl == "pallas" and implementation is None and not _pallas_read_ok(s, hp):
         return "xla"
     if impl == "pallas":
-        from pallas_kernels.read.paged_logits import check_geometry
         try:
-            check_geometry(s, hp)
+            _paged_logits.check_geometry(s, hp)
         except ValueError as e:
             raise ValueError(f"{op}: {e}") from None
     return impl
@@ -369,7 +355,6 @@ def _check_page_table(op, page_table_pages, context_pools, layout: CacheLayout, 
     """Concrete inputs only: every pool inside a row's context lies on a real page."""
     if not _concrete(page_table_pages, context_pools):
         return
-    import numpy as np
     table = np.asarray(page_table_pages)
     ctx = np.asarray(context_pools).reshape(table.shape[0], -1)
     p = s.page_rows
@@ -415,10 +400,8 @@ def paged_logits(cache, layout: CacheLayout, layer: int, q8, weights, page_table
                                                  "context_pools", context_pools)
     s = layout.strides(layer)
     _check_page_table(op, page_table_pages, context_pools, layout, s)
-    if _read_impl(op, implementation, s, hp) == "xla":
-        return ref.paged_logits_strides(cache, s, q8, weights, page_table_pages, context_pools)
-    from pallas_kernels.read.paged_logits import paged_logits as kernel
-    return kernel(cache, s, q8, weights, page_table_pages, context_pools, interpret=interpret)
+    impl = _read_impl(op, implementation, s, hp)
+    return DISPATCH[op, impl](cache, s, q8, weights, page_table_pages, context_pools, interpret=interpret)
 
 
 def _check_rows_and_count(op, name, x, shape_text, dtypes, per_row_name, per_row, count_name, count):
@@ -441,10 +424,7 @@ def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, 
     """
     op = "topk_pools"
     _check_rows_and_count(op, "logits", logits, "[rows, n]", _F32, "lengths", lengths, "k", k)
-    if _impl(op, implementation) == "xla":
-        return ref.topk_pools(logits, lengths, k)
-    from pallas_kernels.topk import topk_pools as kernel
-    return kernel(logits, lengths, k, splits=splits, interpret=interpret)
+    return DISPATCH[op, _impl(op, implementation)](logits, lengths, k, splits=splits, interpret=interpret)
 
 
 def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, interpret=None):
@@ -457,10 +437,7 @@ def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, 
     op = "expand_pools"
     _check_rows_and_count(op, "pool_ids", pool_ids, "[rows, k]", _INT, "seq_lens_tokens", seq_lens_tokens,
                           "kpool", kpool)
-    if _impl(op, implementation) == "xla":
-        return ref.expand_pools(pool_ids, seq_lens_tokens, kpool)
-    from pallas_kernels.read.expand import expand_pools as kernel
-    return kernel(pool_ids, seq_lens_tokens, kpool, interpret=interpret)
+    return DISPATCH[op, _impl(op, implementation)](pool_ids, seq_lens_tokens, kpool, interpret=interpret)
 
 
 def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, positions, *,
@@ -506,10 +483,17 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     short = ref.use_short_path(positions, t, short_context)
     if short is not True and _concrete(positions):
         _check_page_table(op, page_table_pages, ref.seq_lens_from_positions(positions) // r, layout, s)
-    if _read_impl(op, implementation, s, hp) == "xla":
-        return ref.select_tokens_strides(cache, s, q8, weights, page_table_pages, positions, t,
-                                         short_context=short if isinstance(short, bool) else None)
-    from pallas_kernels.read.expand import expand_pools as expand
+    impl = _read_impl(op, implementation, s, hp)
+    return DISPATCH[op, impl](cache, s, q8, weights, page_table_pages, positions, t, short,
+                              interpret=interpret, path=path)
+
+
+def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path):
+    """select_tokens with implementation="pallas": the causal fill or the sparse path
+    (paged_logits + top-k on bounded row chunks, or the fused paged_topk), then the
+    expansion kernel; ``short`` as ``reference.use_short_path`` returns it."""
+    b, n = q8.shape[:2]
+    r = s.kpool
     k, width = t // r, t + r - 1
 
     def fill():
@@ -519,20 +503,90 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
         seq = ref.seq_lens_from_positions(positions)                                # [B, n]
         ctx = seq // r
         if (path or default_read_path(n)) == "fused":
-            from pallas_kernels.read.paged_topk import paged_topk
-            ids = paged_topk(cache, s, q8, weights, page_table_pages, ctx, k, interpret=interpret)
+            ids = _paged_topk.paged_topk(cache, s, q8, weights, page_table_pages, ctx, k, interpret=interpret)
         else:
-            from pallas_kernels.read.paged_logits import paged_logits as logits_kernel
-            from pallas_kernels.topk import topk_pools as topk_kernel
-
             def rows(q, w, cx):                                # bounded logits per call
                 bb, cn = cx.shape
-                lg = logits_kernel(cache, s, q, w, page_table_pages, cx, interpret=interpret)
-                return topk_kernel(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
-                                   interpret=interpret).reshape(bb, cn, k)
+                lg = _paged_logits.paged_logits(cache, s, q, w, page_table_pages, cx, interpret=interpret)
+                return _topk_kernel(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
+                                    interpret=interpret).reshape(bb, cn, k)
 
             chunk = ref.query_row_chunk(n, 1, page_table_pages.shape[1] * s.page_rows, b)
             ids = ref.map_query_rows(rows, chunk, q8, weights, ctx)
-        return expand(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
+        return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
 
     return ref.branch_short(short, fill, sparse)
+
+
+def _triton_kernel(module: str, name: str):
+    """Table entry for a kernel of ``pallas_kernels.triton_lang.<module>``, imported on its
+    first call: those modules import ``triton``, so they load only after ``_impl`` has
+    checked (``_triton.require``) that jax_triton can run here."""
+    def call(*args):
+        return getattr(importlib.import_module(f"pallas_kernels.triton_lang.{module}"), name)(*args)
+    return call
+
+
+_triton_seed_tail = _triton_kernel("tail_seed", "seed_tail")
+_triton_compress_prefill = _triton_kernel("pool_compress", "compress_prefill")
+_triton_decode_update = _triton_kernel("decode_update", "decode_update")
+
+# =================================================================================
+# ONE dispatch table: (op, implementation) -> function. The entries of an op all take
+# the same arguments, the op's checked inputs with the layer's strides `s` in place
+# of (layout, layer); the reference and the Triton kernels have no interpret mode
+# and ignore it. An implementation missing for an op is rejected by _impl before
+# any lookup (triton: the write ops only).
+# =================================================================================
+DISPATCH = {
+    ("seed_tail", "xla"):
+        lambda cache, s, key, gate, tslot, ends, *, interpret: ref.seed_tail_strides(cache, s, key, gate, tslot),
+    ("seed_tail", "pallas"):
+        lambda cache, s, key, gate, tslot, ends, *, interpret: _tail_seed.seed_tail(
+            cache, s, key, gate, tslot, ends, interpret=interpret),
+    ("seed_tail", "triton"):
+        lambda cache, s, key, gate, tslot, ends, *, interpret: _triton_seed_tail(cache, s, key, gate, tslot, ends),
+
+    ("compress_prefill", "xla"):
+        lambda cache, s, key, gate, ape, slots, *, interpret: ref.compress_prefill_strides(
+            cache, s, key, gate, ape, slots),
+    ("compress_prefill", "pallas"):
+        lambda cache, s, key, gate, ape, slots, *, interpret: _pool_compress.compress_prefill(
+            cache, s, key, gate, ape, slots, interpret=interpret),
+    ("compress_prefill", "triton"):
+        lambda cache, s, key, gate, ape, slots, *, interpret: _triton_compress_prefill(
+            cache, s, key, gate, ape, slots),
+
+    ("decode_update", "xla"):
+        lambda cache, s, key, gate, ape, slots, tslot, pos, *, interpret: ref.decode_update_strides(
+            cache, s, key, gate, ape, slots, tslot, pos),
+    ("decode_update", "pallas"):
+        lambda cache, s, key, gate, ape, slots, tslot, pos, *, interpret: _decode_update.decode_update(
+            cache, s, key, gate, ape, slots, tslot, pos, interpret=interpret),
+    ("decode_update", "triton"):
+        lambda cache, s, key, gate, ape, slots, tslot, pos, *, interpret: _triton_decode_update(
+            cache, s, key, gate, ape, slots, tslot, pos),
+
+    ("fwht_quant", "xla"): lambda q, *, interpret: ref.fwht_quant(q),
+    ("fwht_quant", "pallas"): lambda q, *, interpret: _query_quant.fwht_quant(q, interpret=interpret),
+
+    ("paged_logits", "xla"):
+        lambda cache, s, q8, w, table, ctx, *, interpret: ref.paged_logits_strides(cache, s, q8, w, table, ctx),
+    ("paged_logits", "pallas"):
+        lambda cache, s, q8, w, table, ctx, *, interpret: _paged_logits.paged_logits(
+            cache, s, q8, w, table, ctx, interpret=interpret),
+
+    ("topk_pools", "xla"): lambda logits, lengths, k, *, splits, interpret: ref.topk_pools(logits, lengths, k),
+    ("topk_pools", "pallas"):
+        lambda logits, lengths, k, *, splits, interpret: _topk_kernel(
+            logits, lengths, k, splits=splits, interpret=interpret),
+
+    ("expand_pools", "xla"): lambda ids, seq, kpool, *, interpret: ref.expand_pools(ids, seq, kpool),
+    ("expand_pools", "pallas"):
+        lambda ids, seq, kpool, *, interpret: _expand.expand_pools(ids, seq, kpool, interpret=interpret),
+
+    ("select_tokens", "xla"):
+        lambda cache, s, q8, w, table, positions, t, short, *, interpret, path: ref.select_tokens_strides(
+            cache, s, q8, w, table, positions, t, short_context=short if isinstance(short, bool) else None),
+    ("select_tokens", "pallas"): _select_tokens_pallas,
+}
