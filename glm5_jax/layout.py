@@ -78,11 +78,12 @@ class CacheLayout:
 
     def attn_base_bytes(self, layer: int) -> int:
         self._check_layer(layer)
-        return layer * self.attn_region_bytes
+        return addr.layer_base_bytes(0, self.attn_region_bytes, layer)
 
     def index_base_bytes(self, layer: int) -> int:
         self._check_layer(layer)
-        return self.num_layers * self.attn_region_bytes + layer * self.index_region_bytes
+        attn_end = addr.layer_base_bytes(0, self.attn_region_bytes, self.num_layers)   # the indexer region's start
+        return addr.layer_base_bytes(attn_end, self.index_region_bytes, layer)
 
     def _check_layer(self, layer):
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pallas_kernels.core import addressing as addr
+
 from .config import IndexerConfig
 
 
@@ -20,8 +22,7 @@ def page_table_pages(block_table_blocks, config: IndexerConfig):
     bt = np.asarray(block_table_blocks, dtype=np.int64)
     if bt.ndim != 2:
         raise ValueError(f"block table must be [B, max_blocks], got shape {bt.shape}")
-    ppb = config.pages_per_block
-    pages = bt[:, :, None] * ppb + np.arange(ppb)
+    pages = addr.block_page(config, bt[:, :, None], np.arange(config.pages_per_block))
     return pages.reshape(bt.shape[0], -1).astype(np.int32)
 
 
@@ -71,7 +72,7 @@ def compressed_slot_mapping(positions_tokens, request_index, page_table_pages_, 
     out = np.full(pos.shape, -1, np.int64)
     valid = (pos >= 0) & (req >= 0) & ((pos + 1) % r == 0)
     cpos = np.where(valid, pos // r, 0)
-    col = cpos // p
+    col, row = addr.pool_page_row(config, cpos)
     if valid.any() and (col[valid] >= table.shape[1]).any():
         raise ValueError(f"a pool lies beyond its request's page table ({table.shape[1]} pages of "
                          f"{p} pools): the table is too short for the positions")
@@ -79,7 +80,7 @@ def compressed_slot_mapping(positions_tokens, request_index, page_table_pages_, 
     if valid.any() and (page[valid] < config.pages_per_block).any():
         raise ValueError("a pool maps to a page of the null block 0 (table padding): the "
                          "request's block table has no block for that position")
-    out[valid] = (page * p + cpos % p)[valid]
+    out[valid] = addr.pool_slot(config, page, row)[valid]
     return out.astype(np.int32)
 
 
@@ -90,7 +91,7 @@ def tail_slot_mapping(positions_tokens, request_index, tail_blocks, config: Inde
     tb = np.asarray(tail_blocks, dtype=np.int64)
     valid = (pos >= 0) & (req >= 0)
     blk = tb[np.where(valid, req, 0)] if tb.size else np.zeros_like(pos)
-    out = np.where(valid & (blk > 0), blk * config.ring + np.where(valid, pos, 0) % config.ring, -1)
+    out = np.where(valid & (blk > 0), addr.tail_slot(config, blk, np.where(valid, pos, 0)), -1)
     return out.astype(np.int32)
 
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.core import addressing as addr
 from pallas_kernels.read import expand as _expand
 from pallas_kernels.read import paged_logits as _paged_logits
 from pallas_kernels.read import paged_topk as _paged_topk
@@ -138,8 +139,7 @@ def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool, positions=None)
         return
     sm = np.asarray(slot_mapping).ravel()
     c = layout.config
-    limit = layout.num_blocks * c.pools_per_block
-    valid = (sm >= 0) & (sm < limit)
+    valid = addr.pool_slot_valid(layout.strides(0), sm)      # every layer has the same pool slots
     if positions is not None:
         valid &= np.asarray(positions).ravel() >= 0
     if flat_rows:
@@ -358,18 +358,18 @@ def _check_page_table(op, page_table_pages, context_pools, layout: CacheLayout, 
     table = np.asarray(page_table_pages)
     ctx = np.asarray(context_pools).reshape(table.shape[0], -1)
     p = s.page_rows
-    need = -(-np.maximum(ctx, 0).max(axis=1, initial=0) // p)                  # [B] columns
+    need = addr.pages_for_pools(s, np.maximum(ctx, 0).max(axis=1, initial=0))  # [B] columns
     if (need > table.shape[1]).any():
         b = int(np.argmax(need > table.shape[1]))
         raise ValueError(f"{op}: request {b} has {int(ctx[b].max())} context pools but its page table "
                          f"holds {table.shape[1]} pages of {p} pools")
     col = np.arange(table.shape[1])[None, :]
     used = col < need[:, None]
-    bad = used & ((table < 0) | (table >= s.num_blocks * s.pages_per_block))
+    bad = used & ~addr.page_valid(s, table)
     if bad.any():
         b, c = map(int, np.argwhere(bad)[0])
         raise ValueError(f"{op}: page table entry [{b}, {c}] = {int(table[b, c])} is not a page of this "
-                         f"layer (0 .. {s.num_blocks * s.pages_per_block - 1}) but lies inside the context")
+                         f"layer (0 .. {addr.num_pages(s) - 1}) but lies inside the context")
 
 
 def _check_read_inputs(op, cache, layout, q8, weights, page_table_pages, per_row_name, per_row):
@@ -511,7 +511,7 @@ def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t,
                 return _topk_kernel(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
                                     interpret=interpret).reshape(bb, cn, k)
 
-            chunk = ref.query_row_chunk(n, 1, page_table_pages.shape[1] * s.page_rows, b)
+            chunk = ref.query_row_chunk(n, 1, addr.pools_in_pages(s, page_table_pages.shape[1]), b)
             ids = ref.map_query_rows(rows, chunk, q8, weights, ctx)
         return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
 

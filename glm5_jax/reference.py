@@ -262,7 +262,7 @@ def gather_pools(cache, s: CacheStrides, page_table_pages):
     page id (< 0 or >= num_pages) is never read (zeros, page_ok False).
     """
     view = _view(cache, s)
-    m = jnp.arange(page_table_pages.shape[1] * s.page_rows, dtype=jnp.int32)
+    m = jnp.arange(addr.pools_in_pages(s, page_table_pages.shape[1]), dtype=jnp.int32)
     col, row = addr.pool_page_row(s, m)                                       # [M]
     page = page_table_pages.astype(jnp.int32)[:, col]                          # [B, M]
     ok = addr.page_valid(s, page)
@@ -456,7 +456,7 @@ def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages,
         return causal_fill(positions, width).reshape(b * n, width)
 
     def sparse():
-        n_pools = page_table_pages.shape[1] * s.page_rows
+        n_pools = addr.pools_in_pages(s, page_table_pages.shape[1])
         k8, kscale, ok = gather_pools(cache, s, page_table_pages)
 
         def rows(q, w, p):                      # [B, c, ...] -> [B, c, width]

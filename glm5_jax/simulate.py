@@ -308,11 +308,10 @@ class _WatchedBytes:
     def __init__(self, eng, shard: int, ranges_bytes, page_bytes: int):
         import jax
         import numpy as np
-        from pallas_kernels.core.addressing import view_row_col
-        from pallas_kernels.core.strides import WORD_BYTES
+        from pallas_kernels.core.addressing import byte_span_words, view_row_col
 
         from .serving import sharding
-        words = np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in ranges_bytes])
+        words = np.concatenate([np.arange(*byte_span_words(a, e)) for a, e in ranges_bytes])
         device = next(iter(sharding.device_shard(eng.cache, shard).devices()))
         self.shard = shard
         rows, cols = view_row_col(words)                                                      # [n] each

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.core.strides import WORD_BYTES
+from pallas_kernels.core import addressing as addr
 
 from .. import metadata as md
 from .. import ops
@@ -860,12 +860,12 @@ class Engine:
         lay = self.layout
         byte_spans = [span for layer in range(lay.num_layers) for b in blocks
                       for span in (lay.block_byte_range(layer, b), lay.attn_block_byte_range(layer, b))]
-        return np.concatenate([np.arange(a // WORD_BYTES, e // WORD_BYTES) for a, e in byte_spans if e > a])
+        return np.concatenate([np.arange(*addr.byte_span_words(a, e)) for a, e in byte_spans if e > a])
 
     def _image(self, words, values) -> np.ndarray:
         """uint32[total_words] host image of a shard's cache: `values` at `words`, zeros
         elsewhere (untouched pages stay unallocated)."""
-        image = np.zeros(self.layout.total_bytes // WORD_BYTES, np.uint32)
+        image = np.zeros(self.layout.total_words, np.uint32)
         image[words] = values
         return image
 

@@ -34,8 +34,11 @@ The slot mappings and page tables come from ``glm5_jax.metadata``'s builders.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
+
+from pallas_kernels.core import addressing as addr
 
 from .. import metadata as md
 from ..config import IndexerConfig
@@ -131,13 +134,13 @@ def attention_slot_mapping(positions_tokens, request_index, block_table_blocks, 
     req = np.asarray(request_index, dtype=np.int64)
     table = np.asarray(block_table_blocks, dtype=np.int64)
     valid = (pos >= 0) & (req >= 0)
-    col = np.where(valid, pos // block_size_tokens, 0)
+    a = types.SimpleNamespace(block_size=block_size_tokens)      # all addressing's attn slot helpers read
+    col, row = addr.attn_token_block_col(a, np.where(valid, pos, 0))
     if valid.any() and (col[valid] >= table.shape[1]).any():
         raise ValueError(f"a token lies beyond its request's block table ({table.shape[1]} blocks of "
                          f"{block_size_tokens} tokens)")
     blk = table[np.where(valid, req, 0), col]
-    return np.where(valid, blk * block_size_tokens + np.where(valid, pos, 0) % block_size_tokens,
-                    -1).astype(np.int32)
+    return np.where(valid, addr.attn_slot(a, blk, row), -1).astype(np.int32)
 
 
 @dataclasses.dataclass

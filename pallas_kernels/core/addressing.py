@@ -44,6 +44,13 @@ def pool_page_row(s: CacheStrides, loc):
     return loc // s.page_rows, loc % s.page_rows
 
 
+def pool_slot(s, page, row):
+    """Pool slot of row `row` of page `page`: page * P + row (the inverse of
+    ``pool_page_row``). `s`: CacheStrides, or the IndexerConfig behind it (the same
+    page_rows) for the host-side slot mappings."""
+    return page * s.page_rows + row
+
+
 def pool_key_words(s: CacheStrides, loc):
     """Layer-local word offset of the first of the 32 key words of pool slot loc."""
     page, row = pool_page_row(s, loc)
@@ -60,6 +67,13 @@ def pool_scale_words(s: CacheStrides, loc):
 def tail_slot_valid(s: CacheStrides, tslot):
     """A tail slot writes only if 0 <= tslot < num_blocks * ring."""
     return (tslot >= 0) & (tslot < s.num_tail_slots)
+
+
+def tail_slot(s, block, pos):
+    """Token-granular tail slot of position `pos` in tail `block`: block * ring + pos % ring
+    (``tail_block`` inverts it). `s`: CacheStrides, or the IndexerConfig behind it (the
+    same ring) for the host-side slot mappings."""
+    return block * s.ring + pos % s.ring
 
 
 def tail_block(s: CacheStrides, tslot):
@@ -118,6 +132,22 @@ def num_pages(s: CacheStrides) -> int:
     return s.num_blocks * s.pages_per_block
 
 
+def block_page(s, block, j):
+    """Page id of page j (0 .. pages_per_block - 1) of indexer block `block`:
+    block * pages_per_block + j. `s`: CacheStrides, or the IndexerConfig behind it."""
+    return block * s.pages_per_block + j
+
+
+def pools_in_pages(s: CacheStrides, n_pages):
+    """Pools held by n_pages pages (or page-table columns): n_pages * P."""
+    return n_pages * s.page_rows
+
+
+def pages_for_pools(s: CacheStrides, n_pools):
+    """Pages (page-table columns) that hold the first n_pools >= 0 pools: ceil(n_pools / P)."""
+    return (n_pools + (s.page_rows - 1)) // s.page_rows
+
+
 def page_valid(s: CacheStrides, page):
     """A page id may be read only if 0 <= page < num_blocks * pages_per_block."""
     return (page >= 0) & (page < num_pages(s))
@@ -159,7 +189,7 @@ def page_scale_words(s: CacheStrides, page, row):
 def table_pool(s: CacheStrides, col, row):
     """Request-relative pool index held by row `row` of page-table column `col`
     (the inverse of ``pool_page_row``)."""
-    return col * s.page_rows + row
+    return pool_slot(s, col, row)
 
 
 # ---- attention region (bf16 K/V rows of the tiny decoder, glm5_jax.model.decoder) -------
@@ -222,7 +252,19 @@ def attn_global_word(a, local_words):
     return a.attn_base_bytes // WORD_BYTES + local_words
 
 
-# ---- whole blocks (host-side inspection and ownership checks) --------------------
+# ---- whole blocks and layers (host-side inspection, ownership checks, the layout) ----
+def layer_base_bytes(region_start_bytes: int, layer_region_bytes: int, layer: int) -> int:
+    """Start of `layer`'s part of a region whose layers lie back to back from
+    region_start_bytes, layer_region_bytes each (the flat buffer: every layer's
+    attention region from byte 0, then every layer's indexer region)."""
+    return region_start_bytes + layer * layer_region_bytes
+
+
+def byte_span_words(start_bytes, end_bytes):
+    """(start, end) word addresses of the word-aligned byte span [start_bytes, end_bytes)."""
+    return start_bytes // WORD_BYTES, end_bytes // WORD_BYTES
+
+
 def index_block_byte_range(s: CacheStrides, block: int) -> tuple[int, int]:
     """[start, end) global bytes of indexer block `block` (its tail ring aliases the start)."""
     start = s.index_base_bytes + block * s.index_block_bytes

@@ -155,7 +155,7 @@ def load_pages(cache_ref, bytes_ref, s: CacheStrides, pages, ok):
     and unpacked into K-major bytes.
     """
     g, p = pages.shape[0], s.page_rows
-    gp = g * p
+    gp = addr.pools_in_pages(s, g)
     page_r = jnp.broadcast_to(jnp.where(ok, pages, 0)[:, None], (g, p)).reshape(gp)   # [G*P]
     ok_r = jnp.broadcast_to(ok[:, None], (g, p)).reshape(gp)
     row_r = _iota((gp,), 0) % p
@@ -208,15 +208,16 @@ def score_pages(cache_ref, bytes_ref, table_ref, s: CacheStrides, qb: QueryBlock
     through bytes_ref (the byte view) unless it is None (``load_pages``).
     """
     g, p = n_pages, s.page_rows
+    gp = addr.pools_in_pages(s, g)
     cols = col0 + _iota((g,), 0)                                                   # [G]
     in_table = cols < max_pages
     pages = B.gather(table_ref, b + 0 * cols, jnp.minimum(cols, max_pages - 1))    # [G]
     page_ok = enabled & in_table & addr.page_valid(s, pages)
     k8t, kscale = load_pages(cache_ref, bytes_ref, s, pages, page_ok)
     lg = pages_logits(qb, k8t, kscale, bn=bn, hp=hp, dot=dot)                      # [BN, G*P]
-    pools = addr.table_pool(s, col0, _iota((g * p,), 0))                           # [G*P]
-    ok_r = jnp.broadcast_to((in_table & page_ok)[:, None], (g, p)).reshape(g * p)
-    live = (pools[None, :] < qb.ctx[:, None]) & (pools < max_pages * p)[None, :]
+    pools = addr.table_pool(s, col0, _iota((gp,), 0))                              # [G*P]
+    ok_r = jnp.broadcast_to((in_table & page_ok)[:, None], (g, p)).reshape(gp)
+    live = (pools[None, :] < qb.ctx[:, None]) & (pools < addr.pools_in_pages(s, max_pages))[None, :]
     return jnp.where(live & ok_r[None, :], lg, -jnp.inf), pools, live
 
 
@@ -227,16 +228,16 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
     # same buffer, if byte_view); out_ref: [B*n, max_pages*P] f32
     bytes_ref, out_ref = refs if byte_view else (None,) + refs
     b, rb, g = B.program_id(0), B.program_id(1), B.program_id(2)
-    p, gp = s.page_rows, tune.pages_per_step * s.page_rows
+    gp = addr.pools_in_pages(s, tune.pages_per_step)
     qb = load_query_block(ctx_ref, q_ref, w_ref, b, rb * bn, n=n, hp=hp, bn=bn)
-    need = (jnp.max(qb.ctx) + (p - 1)) // p                                        # columns in use
+    need = addr.pages_for_pools(s, jnp.max(qb.ctx))                               # columns in use
     rows2 = qb.flat[:, None] + 0 * _iota((bn, gp), 1)                              # [BN, G*P]
     ok_rows = qb.row_ok[:, None] & (_iota((bn, gp), 1) >= 0)
 
     def step(j, carry):
         col0 = (g * tune.steps + j) * tune.pages_per_step
         pools = addr.table_pool(s, col0, _iota((bn, gp), 1))                       # [BN, G*P]
-        store_ok = ok_rows & (pools < max_pages * p)
+        store_ok = ok_rows & (pools < addr.pools_in_pages(s, max_pages))
 
         @B.when(col0 < need)
         def _score():
@@ -295,7 +296,7 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
     b, n, hp, _ = q8.shape
     max_pages = page_table_pages.shape[1]
     check_geometry(s, hp)
-    m = max_pages * s.page_rows
+    m = addr.pools_in_pages(s, max_pages)
     if b == 0 or n == 0 or max_pages == 0:
         return jnp.full((b, n, m), -jnp.inf, jnp.float32)
     bn = rows_per_block(n, hp)

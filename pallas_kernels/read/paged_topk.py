@@ -37,6 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..core import addressing as addr
 from ..core import backend as B
 from ..core import numerics as nm
 from ..core.strides import CacheStrides
@@ -69,10 +70,10 @@ def _kernel(ctx_ref, table_ref, q_ref, w_ref, cache_ref, *refs,
     # res_ref: [B*n, k] i32 (final) or [n_buf] i32 counts; kbuf/ibuf: [n_buf, CAP] u32/i32
     bytes_ref, res_ref, kbuf, ibuf = refs if byte_view else (None,) + refs
     b, rb, sp = B.program_id(0), B.program_id(1), B.program_id(2)
-    bn, p = g.bn, s.page_rows
+    bn = g.bn
     rows = tk.Rows(b, rb, n=n, bn=bn, row_blocks=row_blocks)
     qb = load_query_block(ctx_ref, q_ref, w_ref, b, rb * bn, n=n, hp=hp, bn=bn)
-    need = jnp.minimum((jnp.max(qb.ctx) + (p - 1)) // p, max_pages)               # columns in use
+    need = jnp.minimum(addr.pages_for_pools(s, jnp.max(qb.ctx)), max_pages)      # columns in use
     lo = sp * split_pages                                   # split_pages: a multiple of `pages`
     n_chunks = (jnp.maximum(jnp.minimum(lo + split_pages, need) - lo, 0) + pages - 1) // pages
     brow = rows.padded * splits + sp
@@ -94,8 +95,8 @@ def _call(cache, s, q8, weights, page_table_pages, context_pools, k, splits, int
     max_pages = page_table_pages.shape[1]
     bn = rows_per_block(n, hp)
     row_blocks = -(-n // bn)
-    g = tk.Geometry(k=k, bn=bn, ch=pages * s.page_rows)
-    sp = tk.choose_splits(b * row_blocks, max_pages * s.page_rows, k, splits)
+    g = tk.Geometry(k=k, bn=bn, ch=addr.pools_in_pages(s, pages))
+    sp = tk.choose_splits(b * row_blocks, addr.pools_in_pages(s, max_pages), k, splits)
     split_pages = -(-max_pages // min(sp, max_pages))
     split_pages = -(-split_pages // pages) * pages          # whole chunks: no chunk crosses a split
     sp = -(-max_pages // split_pages)
