@@ -186,6 +186,20 @@ def page_scale_words(s: CacheStrides, page, row):
     return page * (s.page_bytes // WORD_BYTES) + s.page_rows * KEY_WORDS + row
 
 
+def page_entries(s: CacheStrides, pages):
+    """[..., 4] i32 for page ids [...] (i32): (key row, key col, scale row, scale col) of
+    the page's first key word and first scale word in the word view (``split_word``),
+    key row -1 for an id that is not a page of the layer. Row r of a page holds its
+    key at the first key word + r * KEY_WORDS and its scale at the first scale word + r:
+    the only within-page offsets the Triton read kernels add themselves."""
+    import jax.numpy as jnp
+    ok = page_valid(s, pages)
+    p = jnp.where(ok, pages, 0)
+    kr, kc = split_word(s, page_key_words(s, p, 0))
+    sr, sc = split_word(s, page_scale_words(s, p, 0))
+    return jnp.stack([jnp.where(ok, kr, -1), kc, sr, sc], axis=-1).astype(jnp.int32)
+
+
 def table_pool(s: CacheStrides, col, row):
     """Request-relative pool index held by row `row` of page-table column `col`
     (the inverse of ``pool_page_row``)."""

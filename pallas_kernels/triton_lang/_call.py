@@ -121,3 +121,17 @@ def run(launch: Launch):
         enable_fp_fusion=launch.fp_fusion,
         **launch.constexprs,
     )
+
+
+def run_read(kernel, scalars: tuple, arrays: tuple, out_shape, *, grid: tuple, num_warps: int, num_stages: int,
+             name: str, constexprs: dict, input_output_aliases: dict | None = None):
+    """Run a read kernel (no cache written) through ``jax_triton.triton_call``: the
+    scalars (int32 sizes, kernel parameters), the array operands, then the outputs
+    `out_shape` (one ShapeDtypeStruct or a tuple). Returns the output(s)."""
+    import jax_triton as jt
+    for v in scalars:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
+            raise TypeError(f"{name}: scalar arguments must be int32 sizes, got {v!r}")
+    return jt.triton_call(*scalars, *arrays, kernel=kernel, out_shape=out_shape, grid=grid,
+                          input_output_aliases=input_output_aliases or {}, name=name, num_warps=num_warps,
+                          num_stages=num_stages, **constexprs)

@@ -1,0 +1,60 @@
+"""Host-side planning of the tensor-core read path: workspace bounds and tile geometry.
+
+Plain Python (no jax, no triton): the same rules run on a CPU, where they are
+tested, and decide the launches on the GPU.
+
+A prefill selection scores [rows, pools] logits; the Triton path never holds more
+of them than one chunk of query rows at a time. Per query row, per request of the
+batch, a chunk needs the row's logits (4 bytes per pool column), the top-k's
+candidate buffers and the row's k ids.
+"""
+from __future__ import annotations
+
+DEFAULT_WORKSPACE_BYTES = 1 << 30      # the chunk's device workspace unless the caller sets one
+LOGIT_BYTES = 4                        # f32 per (row, pool column)
+TC_PAGE_ROWS = (16, 32, 64)            # P: G * P = 64 pool rows per MMA step
+TC_HEADS = (32, 64)                    # padded heads: BQ * Hp dot columns
+
+
+def padded_k(k: int) -> int:
+    """KP: the top-k candidate buffer width, the next power of two >= k."""
+    return 1 << (int(k) - 1).bit_length()
+
+
+def topk_scratch_bytes_per_row(k: int) -> int:
+    """The top-k's private buffers per row: u32 keys and i32 ids of 2 KP candidates."""
+    return 2 * padded_k(k) * 8
+
+
+def chunk_row_bytes(n_cols_pools: int, k: int) -> int:
+    """Workspace bytes one query row of one request takes in a chunk."""
+    return n_cols_pools * LOGIT_BYTES + topk_scratch_bytes_per_row(k) + 4 * k
+
+
+def rows_per_chunk(n_rows: int, n_cols_pools: int, k: int, batch: int = 1,
+                   workspace_bytes: int | None = None) -> int:
+    """Query rows per chunk (per request) so that a chunk's workspace stays within
+    `workspace_bytes` (default DEFAULT_WORKSPACE_BYTES); at least 1, at most n_rows."""
+    ws = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    check_workspace_bytes(ws)
+    per_row = max(1, batch) * chunk_row_bytes(n_cols_pools, k)
+    if ws < per_row:
+        raise ValueError(f"workspace_bytes={ws} does not hold one query row: a row of {batch} request(s) "
+                         f"over {n_cols_pools} pools with k = {k} takes {per_row} bytes")
+    return max(1, min(n_rows, ws // per_row))
+
+
+def check_workspace_bytes(workspace_bytes) -> None:
+    if not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool) or workspace_bytes < 1:
+        raise ValueError(f"workspace_bytes must be a positive int (bytes), got {workspace_bytes!r}")
+
+
+def check_tc_geometry(page_rows: int, hp: int, key_rows_16b_aligned: bool) -> None:
+    """The tensor-core kernels' tiles: P in TC_PAGE_ROWS, Hp in TC_HEADS, key rows
+    16-byte aligned (vector loads)."""
+    if page_rows not in TC_PAGE_ROWS:
+        raise ValueError(f"the Triton read kernels need page_rows in {TC_PAGE_ROWS}, got {page_rows}")
+    if hp not in TC_HEADS:
+        raise ValueError(f"the Triton read kernels need {TC_HEADS} (padded) heads, got {hp}")
+    if not key_rows_16b_aligned:
+        raise ValueError("the Triton read kernels need 16-byte aligned key rows")

@@ -1,0 +1,181 @@
+"""Triton kernel: paged indexer logits on Hopper's tensor cores (docs/semantics.md 2.4, 5.7).
+
+    logit[b, i, m] = sum_h w'[b, i, h] * relu(dot(q8[b, i, h], K8[m]) * kscale[m])   for m < ctx[b, i]
+
+Pool m of request b is row m % P of page page_table[b, m // P].
+
+Reads ONLY: the query rows, weights and context lengths of its programs, the
+page-table entries of the pages a row can see (``addressing.page_entries``), and
+those pages' 128-byte keys and 4-byte scales. Writes ONLY its output
+[B, n, max_pages * P] f32: with ``fill`` every element (-inf outside a row's
+context); without it only the columns below each program's longest context (the
+top-k that follows reads a row only below its length).
+
+Grid: (ceil(n / BQ), ceil(max_pages / PAGES), B). A program holds BQ query rows of
+one request, their BQ * Hp q8 rows resident as the B operand, and walks PAGES
+page-table columns, G pages per step (software-pipelined loads): the keys of a
+step are [G*P, 128] fp8 (a page's key rows are contiguous), the dot
+keys x q^T -> [G*P, BQ*Hp] f32 puts the pools on the MMA's M side, so the head
+sum stays in each thread's registers and lanes and the [rows * heads, pools]
+products never reach memory.
+
+The dot (``Tuning.dot``): "f16" converts the fp8 keys and queries to f16 (exact)
+and runs wgmma with f32 accumulation: every product exact, sums rounded in f32,
+which is what the accuracy contract in docs/design.md bounds. "fp8" runs the fp8
+wgmma directly (Hopper accumulates fp8 products with fewer bits than f32: faster,
+outside that bound; not a default).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from ..core import addressing as addr
+from ..core import numerics as nm
+from ..core.strides import VIEW_COLS as _VIEW_COLS, CacheStrides
+from ..read import workspace
+from . import _call
+
+DOTS = ("f16", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch shape: BQ query rows per program (BQ * Hp <= 256 dot columns), G pages per
+    step (G * P = 64 pool rows: one warpgroup's M), PAGES page-table columns per
+    program, software-pipeline depth, warps. Defaults: the fastest f16 shape of
+    ``benchmarks/bench_read.py --prefill-tc`` on the H200 (docs/benchmarks.md)."""
+    rows: int = 8
+    pages_per_step: int = 2
+    pages: int = 64
+    stages: int = 2
+    num_warps: int = 4
+    dot: str = "f16"
+
+    def __post_init__(self):
+        pow2 = lambda v: isinstance(v, int) and v >= 1 and not v & (v - 1)   # noqa: E731
+        if not (pow2(self.rows) and pow2(self.pages_per_step) and pow2(self.pages) and self.stages >= 1
+                and self.num_warps in (4, 8) and self.dot in DOTS and self.pages >= self.pages_per_step):
+            raise ValueError(f"bad prefill logits tuning {self}")
+
+
+@triton.jit
+def _word_index(row, col, VIEW_COLS: tl.constexpr):
+    return row.to(tl.int64) * VIEW_COLS + col
+
+
+@triton.jit
+def paged_logits_kernel(n, n_cols, n_pages,
+                        ctx_ptr, q_ptr, w_ptr, pages_ptr, cache_ptr, out_ptr,
+                        HP: tl.constexpr, P: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr,
+                        PAGES: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr, FILL: tl.constexpr,
+                        KEY_WORDS: tl.constexpr, VIEW_COLS: tl.constexpr):
+    # n, n_cols, n_pages: i32 query rows per request, output columns (n_pages * P), page-table columns
+    # ctx: [B, n] i32 visible pools; q: [B * n * HP, 128] u8 (e4m3 codes); w: [B * n * HP] f32;
+    # pages: [B, n_pages, 4] i32 (addressing.page_entries); cache: [total_words] u32 (read only);
+    # out: [B, n, n_cols] f32
+    N: tl.constexpr = BQ * HP
+    M: tl.constexpr = G * P
+    b = tl.program_id(2)
+    row0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BQ    # the longest rows first
+    rows = row0 + tl.arange(0, BQ)
+    row_ok = rows < n
+    brow = b.to(tl.int64) * n
+    ctx = tl.load(ctx_ptr + brow + rows, mask=row_ok, other=0)   # [BQ]
+    ctx = tl.maximum(ctx, 0)
+    need = tl.minimum((tl.max(ctx, axis=0) + P - 1) // P, n_pages)
+    c0 = tl.program_id(1) * PAGES
+    c1 = tl.minimum(c0 + PAGES, need)
+    r = tl.arange(0, M)
+    g = r // P
+    rp = r % P
+    out_rows = out_ptr + (brow + rows).to(tl.int64)[None, :] * n_cols     # [1, BQ]
+    if c0 < c1:
+        c = tl.arange(0, N)
+        qrow = tl.minimum(row0 + c // HP, n - 1)               # rows past n re-read row n - 1, weight 0
+        d = tl.arange(0, 128)
+        qb = tl.load(q_ptr + ((brow + qrow) * HP + c % HP)[:, None] * 128 + d[None, :])
+        q = qb.to(tl.float8e4nv, bitcast=True)                  # [N, 128]
+        w = tl.load(w_ptr + (brow + qrow) * HP + c % HP, mask=(row0 + c // HP) < n, other=0.0)   # [N]
+        if DOT == 0:
+            qd = q.to(tl.float16)
+        else:
+            qd = q
+        bytes_ptr = cache_ptr.to(tl.pointer_type(tl.uint8))
+        f32_ptr = cache_ptr.to(tl.pointer_type(tl.float32))
+        tab = pages_ptr + b.to(tl.int64) * n_pages * 4
+        gi = tl.arange(0, G)
+        for col in tl.range(c0, c1, G, num_stages=STAGES):
+            has = (col + gi) < c1
+            e = tab + (col + gi) * 4
+            kw = _word_index(tl.load(e, mask=has, other=-1), tl.load(e + 1, mask=has, other=0), VIEW_COLS)
+            sw = _word_index(tl.load(e + 2, mask=has, other=0), tl.load(e + 3, mask=has, other=0), VIEW_COLS)
+            okg = kw >= 0                                           # [G] a page of the layer
+            kb = tl.reshape(tl.broadcast_to(tl.maximum(kw, 0)[:, None] * 4, (G, P)), (M,))
+            sb = tl.reshape(tl.broadcast_to(sw[:, None], (G, P)), (M,))
+            ok = tl.reshape(tl.broadcast_to(okg[:, None], (G, P)), (M,))
+            kb = tl.multiple_of(kb + rp * (KEY_WORDS * 4), 16)    # [M] first key byte of each pool
+            k = tl.load(bytes_ptr + kb[:, None] + d[None, :], mask=ok[:, None], other=0)
+            k = k.to(tl.float8e4nv, bitcast=True)                   # [M, 128]
+            ks = tl.load(f32_ptr + sb + rp, mask=ok, other=0.0)      # [M] power-of-two scales
+            if DOT == 0:
+                acc = tl.dot(k.to(tl.float16), tl.trans(qd), out_dtype=tl.float32)     # [M, N]
+            else:
+                acc = tl.dot(k, tl.trans(qd), out_dtype=tl.float32)
+            # sum_h w * relu(acc * ks) == ks * sum_h w * relu(acc): ks is a power of two
+            sc = tl.maximum(acc, 0.0) * w[None, :]
+            lg = tl.sum(tl.reshape(sc, (M, BQ, HP)), axis=2) * ks[:, None]           # [M, BQ]
+            pools = (col + g) * P + rp                                                # [M]
+            lg = tl.where((pools[:, None] < ctx[None, :]) & ok[:, None], lg, float("-inf"))
+            st = ((col + g) < c1)[:, None] & row_ok[None, :]
+            tl.store(out_rows + pools[:, None], lg, mask=st)
+    if FILL:
+        # -inf in the program's columns past its rows' longest context
+        f0 = tl.maximum(c0, need)
+        for col in range(f0, tl.minimum(c0 + PAGES, n_pages), G):
+            pools = (col + g) * P + rp
+            st = ((col + g) < tl.minimum(c0 + PAGES, n_pages))[:, None] & row_ok[None, :]
+            tl.store(out_rows + pools[:, None], tl.full((M, BQ), float("-inf"), tl.float32), mask=st)
+
+
+def check_geometry(s: CacheStrides, hp: int):
+    """The kernel's tiles (``workspace.check_tc_geometry``)."""
+    workspace.check_tc_geometry(s.page_rows, hp, addr.key_rows_16b_aligned(s))
+
+
+def launch_shape(s: CacheStrides, hp: int, n: int, max_pages: int, tune: Tuning):
+    """(grid, constexprs) of one call: the pages per step make a 64-row M (G * P = 64);
+    rows per program shrink so that BQ * Hp <= 256 (the MMA's widest N)."""
+    g = max(1, 64 // s.page_rows)
+    bq = max(1, min(tune.rows, 256 // hp))
+    pages = max(tune.pages, g)
+    grid = (-(-n // bq), -(-max_pages // pages))
+    return grid, dict(HP=hp, P=s.page_rows, G=g, BQ=bq, PAGES=pages, DOT=DOTS.index(tune.dot),
+                      STAGES=tune.stages, KEY_WORDS=addr.KEY_WORDS, VIEW_COLS=_VIEW_COLS)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "fill", "tune"))
+def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, *, fill: bool = True,
+                 tune: Tuning = Tuning()):
+    """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32;
+    page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
+    Returns [B, n, max_pages * page_rows] f32 (see the module docstring for ``fill``)."""
+    b, n, hp, _ = q8.shape
+    max_pages = page_table_pages.shape[1]
+    check_geometry(s, hp)
+    n_cols = addr.pools_in_pages(s, max_pages)
+    if b == 0 or n == 0 or max_pages == 0:
+        return jnp.full((b, n, n_cols), -jnp.inf, jnp.float32)
+    grid, consts = launch_shape(s, hp, n, max_pages, tune)
+    q_codes = jax.lax.bitcast_convert_type(q8, jnp.uint8).reshape(b * n * hp, nm.HEAD_DIM)
+    return _call.run_read(
+        paged_logits_kernel, (n, n_cols, max_pages),
+        (context_pools.astype(jnp.int32), q_codes, weights.astype(jnp.float32).reshape(-1),
+         addr.page_entries(s, page_table_pages.astype(jnp.int32)), cache),
+        jax.ShapeDtypeStruct((b, n, n_cols), jnp.float32), grid=grid + (b,), num_warps=tune.num_warps,
+        num_stages=tune.stages, name="kpool_paged_logits_tc", constexprs=dict(consts, FILL=fill))
