@@ -1,4 +1,10 @@
-"""Loaders for the vLLM conformance vectors in ../shared/vectors (see its README)."""
+"""Loaders for the vLLM conformance vectors in tests/data/vllm_vectors (see its README).
+
+The vectors ship with the repository, so a missing file is an error, not a skip:
+``available()`` raises ``FileNotFoundError`` naming what is missing (the tests'
+``skipif(not available())`` guards never skip), and so does ``load``.
+``GLM5_VECTORS=<dir>`` reads another copy of the same files.
+"""
 from __future__ import annotations
 
 import os
@@ -10,12 +16,25 @@ import numpy as np
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 
-VECTORS = pathlib.Path(os.environ.get("GLM5_VECTORS",
-                                      pathlib.Path(__file__).resolve().parents[2] / "shared" / "vectors"))
+REPO_VECTORS = pathlib.Path(__file__).resolve().parent / "data" / "vllm_vectors"
+VECTORS = pathlib.Path(os.environ.get("GLM5_VECTORS", REPO_VECTORS))
+NAMES = ("vllm_compress", "vllm_seed_padded_stride", "vllm_prefill_decode")
+
+
+def _path(name) -> pathlib.Path:
+    path = VECTORS / f"{name}.npz"
+    if not path.is_file():
+        where = "GLM5_VECTORS" if "GLM5_VECTORS" in os.environ else "the repository"
+        raise FileNotFoundError(f"vLLM conformance vector {path} is missing ({where}; the files ship "
+                                f"in tests/data/vllm_vectors, see its README)")
+    return path
 
 
 def available() -> bool:
-    return (VECTORS / "vllm_compress.npz").exists()
+    """True when every vector file is present; a missing one raises FileNotFoundError."""
+    for name in NAMES:
+        _path(name)
+    return True
 
 
 def bf16(bits):
@@ -23,7 +42,7 @@ def bf16(bits):
 
 
 def load(name):
-    return dict(np.load(VECTORS / f"{name}.npz"))
+    return dict(np.load(_path(name)))
 
 
 def compress_case():
