@@ -7,17 +7,23 @@ One function per op. Every writer returns the new cache; thread it through and
 ``implementation``:
   * ``"xla"``    the golden reference (``glm5_jax.reference``), any backend;
   * ``"pallas"`` the Pallas kernels (compiled on GPU, interpret mode on CPU);
-  * ``"triton"`` the write ops only (seed_tail, compress_prefill, decode_update):
-                 kernels in the Triton language called through ``jax_triton``
-                 (``pallas_kernels.triton_lang``). GPU only, and only with the
-                 ``triton`` extra installed; elsewhere it raises
-                 ``TritonUnavailableError`` saying why (no CPU/interpret mode);
+  * ``"triton"`` kernels in the Triton language called through ``jax_triton``
+                 (``pallas_kernels.triton_lang``): the write ops, and the read
+                 path on Hopper's tensor cores (paged_logits, topk_pools,
+                 select_tokens). GPU only, and only with the ``triton`` extra
+                 installed; elsewhere it raises ``TritonUnavailableError`` saying
+                 why and naming "pallas" / "xla" (no CPU/interpret mode);
   * ``None``     the first AVAILABLE entry of ``DEFAULT_ORDER`` for the op and
-                 the backend: on GPU pallas -> triton -> xla for the writers and
-                 pallas -> xla for the read ops; XLA elsewhere (interpret mode
-                 is for testing, not speed). "pallas" counts as available on a
-                 GPU backend, "triton" when jax_triton also imports.
-All implementations write identical bytes.
+                 the backend: on GPU pallas -> triton -> xla for the writers,
+                 pallas -> xla for the read ops, and for select_tokens the
+                 Triton tensor-core path when a request brings at least
+                 TC_MIN_ROWS query rows (prefill chunks), the Pallas path below
+                 that; XLA elsewhere (interpret mode is for testing, not speed).
+                 "pallas" counts as available on a GPU backend, "triton" when
+                 jax_triton also imports.
+All implementations write identical cache bytes. The read ops' logits differ
+between implementations only by f32 rounding (docs/design.md, the accuracy
+contract); top-k and expansion are exact on the logits they are given.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from pallas_kernels.read import expand as _expand
 from pallas_kernels.read import paged_logits as _paged_logits
 from pallas_kernels.read import paged_topk as _paged_topk
 from pallas_kernels.read import query_quant as _query_quant
+from pallas_kernels.read import workspace as _workspace
 from pallas_kernels.topk import topk_pools as _topk_kernel
 from pallas_kernels.triton_lang import _call as _triton
 from pallas_kernels.writes import decode_update as _decode_update
@@ -42,7 +49,7 @@ from . import reference as ref
 from .layout import CacheLayout
 
 IMPLEMENTATIONS = ("xla", "pallas", "triton")
-TRITON_OPS = ("seed_tail", "compress_prefill", "decode_update")
+TRITON_OPS = ("seed_tail", "compress_prefill", "decode_update", "paged_logits", "topk_pools", "select_tokens")
 TritonUnavailableError = _triton.TritonUnavailableError
 
 # implementation=None: the first available implementation of this list, per backend
@@ -320,10 +327,35 @@ def _pallas_read_ok(s, hp) -> bool:
         return False
 
 
-def _read_impl(op, implementation, s, hp):
+def _tc_read_ok(s, hp) -> bool:
+    try:
+        _workspace.check_tc_geometry(s.page_rows, hp, addr.key_rows_16b_aligned(s))
+        return True
+    except ValueError:
+        return False
+
+
+# implementation=None on a GPU: select_tokens runs the Triton tensor-core path for
+# requests of at least this many query rows (prefill chunks), where it is 2-3x
+# faster than the Pallas path (docs/benchmarks.md); decode rows stay on Pallas.
+TC_MIN_ROWS = 64
+
+
+def _read_impl(op, implementation, s, hp, rows_per_request=None):
     """Like _impl, but None falls back to XLA where the kernels' tiles do not fit
-    (page_rows not in {16, 32, 64}); an explicit "pallas" raises there instead."""
+    (page_rows not in {16, 32, 64}); an explicit "pallas" or "triton" raises there
+    instead. For select_tokens, None picks "triton" from TC_MIN_ROWS rows per request."""
+    if (implementation is None and op == "select_tokens" and rows_per_request is not None
+            and rows_per_request >= TC_MIN_ROWS and jax.default_backend() == "gpu"
+            and _triton.available() and _tc_read_ok(s, hp)):
+        return "triton"
     impl = _impl(op, implementation)
+    if impl == "triton":
+        try:
+            _workspace.check_tc_geometry(s.page_rows, hp, addr.key_rows_16b_aligned(s))
+        except ValueError as e:
+            raise ValueError(f"{op}: {e}") from None
+        return impl
     if impl == "pallas" and implementation is None and not _pallas_read_ok(s, hp):
         return "xla"
     if impl == "pallas":
@@ -424,7 +456,10 @@ def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, 
     """
     op = "topk_pools"
     _check_rows_and_count(op, "logits", logits, "[rows, n]", _F32, "lengths", lengths, "k", k)
-    return DISPATCH[op, _impl(op, implementation)](logits, lengths, k, splits=splits, interpret=interpret)
+    impl = _impl(op, implementation)
+    if impl == "triton" and splits is not None:
+        raise ValueError(f"{op}: splits is a Pallas launch parameter; implementation='triton' takes none")
+    return DISPATCH[op, impl](logits, lengths, k, splits=splits, interpret=interpret)
 
 
 def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, interpret=None):
@@ -442,7 +477,7 @@ def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, 
 
 def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, positions, *,
                   topk_tokens: int | None = None, short_context=None, implementation=None,
-                  interpret=None, path: str | None = None):
+                  interpret=None, path: str | None = None, workspace_bytes: int | None = None):
     """Token indices each query row attends to: the whole read path of one layer (spec 1.3).
 
     q8: [B, n, H, 128] float8_e4m3fn and weights: [B, n, H] f32 from
@@ -478,17 +513,28 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
         raise ValueError(f"{op}: topk_tokens must be a positive multiple of kpool ({c.kpool}), got {t!r}")
     if path is not None and path not in READ_PATHS:
         raise ValueError(f"{op}: path must be one of {READ_PATHS} or None, got {path!r}")
+    if workspace_bytes is not None:
+        try:
+            _workspace.check_workspace_bytes(workspace_bytes)
+        except ValueError as e:
+            raise ValueError(f"{op}: {e}") from None
     s = layout.strides(layer)
     r = c.kpool
     short = ref.use_short_path(positions, t, short_context)
     if short is not True and _concrete(positions):
         _check_page_table(op, page_table_pages, ref.seq_lens_from_positions(positions) // r, layout, s)
-    impl = _read_impl(op, implementation, s, hp)
+    impl = _read_impl(op, implementation, s, hp, rows_per_request=n)
+    if impl == "triton" and path is not None:
+        raise ValueError(f"{op}: path selects between the Pallas kernels; implementation='triton' takes none")
+    if impl == "triton" and interpret:
+        raise ValueError(f"{op}: implementation='triton' has no interpret mode (jax_triton compiles for "
+                         f"GPUs only); use implementation='pallas' with interpret=True on CPU")
     return DISPATCH[op, impl](cache, s, q8, weights, page_table_pages, positions, t, short,
-                              interpret=interpret, path=path)
+                              interpret=interpret, path=path, workspace_bytes=workspace_bytes)
 
 
-def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path):
+def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path,
+                          workspace_bytes):
     """select_tokens with implementation="pallas": the causal fill or the sparse path
     (paged_logits + top-k on bounded row chunks, or the fused paged_topk), then the
     expansion kernel; ``short`` as ``reference.use_short_path`` returns it."""
@@ -511,9 +557,42 @@ def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t,
                 return _topk_kernel(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
                                     interpret=interpret).reshape(bb, cn, k)
 
-            chunk = ref.query_row_chunk(n, 1, addr.pools_in_pages(s, page_table_pages.shape[1]), b)
+            chunk = ref.query_row_chunk(n, 1, addr.pools_in_pages(s, page_table_pages.shape[1]), b,
+                                        budget_bytes=workspace_bytes)
             ids = ref.map_query_rows(rows, chunk, q8, weights, ctx)
         return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
+
+    return ref.branch_short(short, fill, sparse)
+
+
+def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path,
+                          workspace_bytes):
+    """select_tokens with implementation="triton": the causal fill, or chunks of query
+    rows (at most ``workspace_bytes`` of logits and top-k buffers at a time,
+    ``pallas_kernels.read.workspace``) through the tensor-core logits kernel and the
+    Triton row top-k, then the expansion kernel."""
+    tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")
+    tc_topk = importlib.import_module("pallas_kernels.triton_lang.topk_rows")
+    b, n = q8.shape[:2]
+    r = s.kpool
+    k, width = t // r, t + r - 1
+
+    def fill():
+        return ref.causal_fill(positions, width).reshape(b * n, width)
+
+    def sparse():
+        seq = ref.seq_lens_from_positions(positions)                                # [B, n]
+        ctx = seq // r
+        n_cols = addr.pools_in_pages(s, page_table_pages.shape[1])
+        chunk = _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes)
+
+        def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids
+            bb, cn = cx.shape
+            lg = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False)
+            return tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k).reshape(bb, cn, k)
+
+        ids = ref.map_query_rows(rows, chunk, q8, weights, ctx)
+        return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r)
 
     return ref.branch_short(short, fill, sparse)
 
@@ -530,6 +609,8 @@ def _triton_kernel(module: str, name: str):
 _triton_seed_tail = _triton_kernel("tail_seed", "seed_tail")
 _triton_compress_prefill = _triton_kernel("pool_compress", "compress_prefill")
 _triton_decode_update = _triton_kernel("decode_update", "decode_update")
+_triton_paged_logits = _triton_kernel("prefill_logits", "paged_logits")
+_triton_topk = _triton_kernel("topk_rows", "topk_pools")
 
 # =================================================================================
 # ONE dispatch table: (op, implementation) -> function. The entries of an op all take
@@ -575,18 +656,24 @@ DISPATCH = {
     ("paged_logits", "pallas"):
         lambda cache, s, q8, w, table, ctx, *, interpret: _paged_logits.paged_logits(
             cache, s, q8, w, table, ctx, interpret=interpret),
+    ("paged_logits", "triton"):
+        lambda cache, s, q8, w, table, ctx, *, interpret: _triton_paged_logits(cache, s, q8, w, table, ctx),
 
     ("topk_pools", "xla"): lambda logits, lengths, k, *, splits, interpret: ref.topk_pools(logits, lengths, k),
     ("topk_pools", "pallas"):
         lambda logits, lengths, k, *, splits, interpret: _topk_kernel(
             logits, lengths, k, splits=splits, interpret=interpret),
+    ("topk_pools", "triton"): lambda logits, lengths, k, *, splits, interpret: _triton_topk(logits, lengths, k),
 
     ("expand_pools", "xla"): lambda ids, seq, kpool, *, interpret: ref.expand_pools(ids, seq, kpool),
     ("expand_pools", "pallas"):
         lambda ids, seq, kpool, *, interpret: _expand.expand_pools(ids, seq, kpool, interpret=interpret),
 
     ("select_tokens", "xla"):
-        lambda cache, s, q8, w, table, positions, t, short, *, interpret, path: ref.select_tokens_strides(
-            cache, s, q8, w, table, positions, t, short_context=short if isinstance(short, bool) else None),
+        lambda cache, s, q8, w, table, positions, t, short, *, interpret, path, workspace_bytes:
+        ref.select_tokens_strides(cache, s, q8, w, table, positions, t,
+                                  short_context=short if isinstance(short, bool) else None,
+                                  budget_bytes=workspace_bytes),
     ("select_tokens", "pallas"): _select_tokens_pallas,
+    ("select_tokens", "triton"): _select_tokens_triton,
 }

@@ -405,9 +405,12 @@ def branch_short(short, fill, sparse):
 LOGITS_BUDGET_BYTES = 512 * 2**20
 
 
-def query_row_chunk(n_rows: int, hp: int, n_pools: int, batch: int = 1) -> int:
+def query_row_chunk(n_rows: int, hp: int, n_pools: int, batch: int = 1, budget_bytes: int | None = None) -> int:
+    """Query rows per chunk so that [batch, rows, hp, pools] f32 stays within budget_bytes
+    (default LOGITS_BUDGET_BYTES); at least one row."""
+    budget = LOGITS_BUDGET_BYTES if budget_bytes is None else budget_bytes
     per_row = max(1, batch * hp * max(n_pools, 1) * 4)
-    return max(1, min(n_rows, LOGITS_BUDGET_BYTES // per_row))
+    return max(1, min(n_rows, budget // per_row))
 
 
 def map_query_rows(fn, chunk: int, *arrays):
@@ -435,7 +438,7 @@ def map_query_rows(fn, chunk: int, *arrays):
 
 
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,
-                          topk_tokens: int, short_context=None):
+                          topk_tokens: int, short_context=None, budget_bytes: int | None = None):
     """The whole read path of one indexer layer for a batch (spec 1.3, Appendix C).
 
     q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32 (folded); page_table_pages
@@ -466,7 +469,7 @@ def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages,
             ids = topk_pools(logits.reshape(bb * c, -1), (seq // r).reshape(-1), k)
             return expand_pools(ids, seq.reshape(-1), r).reshape(bb, c, width)
 
-        chunk = query_row_chunk(n, hp, n_pools, b)
+        chunk = query_row_chunk(n, hp, n_pools, b, budget_bytes)
         return map_query_rows(rows, chunk, q8, weights, positions).reshape(b * n, width)
 
     return branch_short(use_short_path(positions, topk_tokens, short_context), fill, sparse)

@@ -57,7 +57,8 @@ def require(op: str) -> None:
     """Raise TritonUnavailableError naming `op` and the reason, unless the kernels can run."""
     reason = unavailable_reason()
     if reason is not None:
-        raise TritonUnavailableError(f"{op}: implementation='triton' is unavailable: {reason}")
+        raise TritonUnavailableError(f"{op}: implementation='triton' is unavailable: {reason}; "
+                                     f"use implementation='pallas' (interpret mode off the GPU) or 'xla'")
 
 
 @dataclasses.dataclass(frozen=True)

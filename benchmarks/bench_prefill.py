@@ -1,0 +1,147 @@
+"""Prefill token selection on the tensor cores: a table of ratios measured in one run.
+
+  * select_tokens of one request of 32k / 128k / 512k tokens (every prompt row
+    scored against every pool before it): the Triton tensor-core path, today's
+    Pallas path and the XLA reference, as TFLOP/s and as a fraction of the bf16
+    matmul rate XLA reaches in the same run (an 8192^3 jnp.dot);
+  * the Triton path split into its logits and its top-k (the logits alone: the same
+    chunks with the top-k left out);
+  * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once.
+
+FLOPs count 2 * 32 heads * 128 * (visible (row, pool) pairs). GPU:
+    PYTHONPATH=$PWD python3 benchmarks/bench_prefill.py [--prefills 32768 131072 524288]
+CPU smoke run (tiny sizes, no Triton): --quick.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax import ops
+from glm5_jax import reference as ref
+from glm5_jax.config import IndexerConfig
+from pallas_kernels.core import addressing as addr
+from pallas_kernels.read import workspace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_read import queries, read_case, time_read  # noqa: E402
+
+
+def wall(f, *args, trials=3):
+    """Median seconds of f(*args) (one call per trial, after a compile + warm-up call)."""
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def matmul_rate(n=8192):
+    """bf16 [n, n] x [n, n] jnp.dot with f32 accumulation on random data: FLOP/s."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    wall(f, a, b, trials=20)                           # clocks up
+    return 2 * n ** 3 / wall(f, a, b, trials=30)
+
+
+def triton_logits_only(s, q8, table, k):
+    """f(cache, q8, w, ctx): the Triton path's chunks with the logits kernel alone
+    (a sliver of each chunk's logits kept, so nothing is removed as unused)."""
+    from pallas_kernels.triton_lang import prefill_logits as tc
+    n_cols = addr.pools_in_pages(s, table.shape[1])
+    chunk = workspace.rows_per_chunk(q8.shape[1], n_cols, k)
+
+    def f(cache, q, ww, cx):
+        def rows(q_, w_, c_):
+            return tc.paged_logits(cache, s, q_, w_, table, c_, fill=False)[..., :1]
+        return ref.map_query_rows(rows, chunk, q, ww, cx)
+    return jax.jit(f)
+
+
+def bench_prefill(cfg, tokens, impls, mm, quick):
+    layout, cache, table, key, heads = read_case(cfg, 1, tokens)
+    s = layout.strides(0)
+    q8, w = queries(key, 1, tokens, heads)
+    pos = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    pairs = float(np.sum((np.arange(tokens) + 1) // cfg.kpool))
+    flops = 2.0 * 32 * 128 * pairs
+    big = tokens > 131072
+    rows, res = [], {}
+    for impl in impls:
+        if impl == "xla" and big:
+            continue
+        f = jax.jit(lambda c, q, ww, t, p, impl=impl: ops.select_tokens(c, layout, 0, q, ww, t, p,
+                                                                         short_context=False, implementation=impl))
+        res[impl] = wall(f, cache, q8, w, table, pos, trials=1 if (big or quick) else 3)
+    if "triton" in impls:
+        lg = triton_logits_only(s, q8, table, cfg.topk_pools)
+        res["triton: logits only"] = wall(lg, cache, q8, w, (pos + 1) // cfg.kpool, trials=1 if big else 3)
+    for name, t in res.items():
+        rows.append(dict(kind="prefill", case=f"1 x {tokens // 1024}k", impl=name, ms=t * 1e3,
+                         tflops=flops / t / 1e12, x_matmul=flops / t / mm,
+                         vs_xla=res["xla"] / t if "xla" in res else None,
+                         vs_pallas=res["pallas"] / t if "pallas" in res else None))
+    return rows
+
+
+def bench_topk(rows_, n, k, impls, reps, trials):
+    x = jax.random.normal(jax.random.PRNGKey(7), (rows_, n), jnp.float32)
+    lengths = jnp.full((rows_,), n, jnp.int32)
+    fns = {impl: (lambda a, l, impl=impl: ops.topk_pools(a, l, k, implementation=impl))
+           for impl in impls if impl != "xla"}
+    fns["read the scores once (XLA max)"] = lambda a, l: jnp.max(jnp.where(
+        jnp.arange(n)[None, :] < l[:, None], a, -jnp.inf), axis=1)
+    res = {name: time_read(f, (x, lengths), reps, trials, perturb=(1,)) for name, f in fns.items()}
+    once = res["read the scores once (XLA max)"]
+    return [dict(kind="topk", case=f"[{rows_}, {n}] k={k}", impl=name, us=t * 1e6, x_read=t / once)
+            for name, t in res.items()]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefills", type=int, nargs="+", default=[32768, 131072, 524288])
+    ap.add_argument("--impls", default="triton,pallas,xla")
+    ap.add_argument("--skip-topk", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, pallas and xla")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    impls = a.impls.split(",")
+    prefills = a.prefills
+    if a.quick:
+        impls, prefills = [i for i in impls if i != "triton"], [3000]
+    cfg = IndexerConfig()
+    print("jax", jax.__version__, jax.devices())
+    mm = matmul_rate(512 if a.quick else 8192)
+    print(f"bf16 matmul (XLA jnp.dot): {mm / 1e12:.0f} TFLOP/s")
+    out = []
+    for tokens in prefills:
+        out += bench_prefill(cfg, tokens, impls, mm, a.quick)
+    if not a.skip_topk:
+        for k in (512, 2048):
+            out += bench_topk(4 if a.quick else 64, 8192 if a.quick else 131072, k, impls,
+                              2 if a.quick else 10, 2 if a.quick else 5)
+    print(f"\n{'case':18s} {'implementation':32s} {'time':>12s} {'TFLOP/s':>8s} {'x matmul':>8s} "
+          f"{'vs xla':>7s} {'vs pallas':>9s} {'x read':>7s}")
+    for r in out:
+        t = f"{r['ms']:.2f} ms" if "ms" in r else f"{r['us']:.1f} us"
+        fmt = lambda v, f: (f % v) if v is not None else ""      # noqa: E731
+        print(f"{r['case']:18s} {r['impl']:32s} {t:>12s} {fmt(r.get('tflops'), '%.0f'):>8s} "
+              f"{fmt(r.get('x_matmul'), '%.3f'):>8s} {fmt(r.get('vs_xla'), '%.1f'):>7s} "
+              f"{fmt(r.get('vs_pallas'), '%.2f'):>9s} {fmt(r.get('x_read'), '%.2f'):>7s}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(matmul_flops=mm, rows=out), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

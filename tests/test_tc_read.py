@@ -1,0 +1,338 @@
+"""The tensor-core read path (implementation="triton": paged_logits, topk_pools, select_tokens).
+
+Accuracy contract (docs/design.md): both the kernel and the XLA reference multiply
+exact fp8 products and sum them in f32, so each is within
+
+    E[i, m] = (D + H + 2) * 2**-23 * kscale[m] * sum_h |w'[i, h]| * sum_d |q8[i, h, d] * K8[m, d]|
+
+of the exact logit (D = 128 dims, H = padded heads; a summation of n terms in f32
+is off by at most (n - 1) * 2**-24 of the sum of magnitudes, doubled for
+accumulators that truncate, and ReLU and the power-of-two scale add nothing), and
+within 2 E of each other. A selected set must equal the golden (exact) selection
+of every row whose gap between the k-th and (k+1)-th best golden logit exceeds
+2 * 2 E of the row; a difference anywhere else fails.
+
+CPU tests (CI): the host-side planning (chunk rows under the workspace bound, the
+page entries the kernel reads), the error off the GPU, the workspace bound of the
+XLA path, the bound E against an f64 golden. GPU tests (marked gpu): the kernels
+compiled, against the f64 golden and the reference.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import ops
+from glm5_jax import reference as ref
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+from pallas_kernels.core import addressing as addr
+from pallas_kernels.read import workspace
+from pallas_kernels.triton_lang import _call
+from test_read_path import np_expand, np_topk, random_cache, random_queries, random_tables
+
+ON_GPU = jax.default_backend() == "gpu"
+D = 128
+U = 2.0 ** -23
+
+
+# ---------------------------------------------------------------------------------
+# the golden scores and the bound
+# ---------------------------------------------------------------------------------
+def golden(cache, layout, layer, q8, w, table, ctx):
+    """(exact logits [B, n, M] f64 with -inf outside context, the bound E [B, n, M])."""
+    s = layout.strides(layer)
+    k8, ks, ok = (np.asarray(x) for x in jax.jit(ref.gather_pools, static_argnums=1)(cache, s, jnp.asarray(table)))
+    k = k8.astype(np.float64)                                        # [B, M, 128]
+    q = np.asarray(q8).astype(np.float64)                            # [B, n, H, 128]
+    wf = np.asarray(w, np.float64)
+    kss = ks.astype(np.float64)
+    dots = np.einsum("bnhd,bmd->bnhm", q, k) * kss[:, None, None, :]
+    lg = np.einsum("bnh,bnhm->bnm", wf, np.maximum(dots, 0.0))
+    mag = np.einsum("bnh,bnhm->bnm", np.abs(wf), np.einsum("bnhd,bmd->bnhm", np.abs(q), np.abs(k))) \
+        * kss[:, None, :]
+    e = (D + q.shape[2] + 2) * U * mag
+    m = np.arange(k.shape[1])
+    live = ok[:, None, :] & (m[None, None, :] < np.asarray(ctx)[..., None])
+    return np.where(live, lg, -np.inf), np.where(live, e, 0.0)
+
+
+def decided_rows(gold, e, lengths, k):
+    """Rows whose selection the contract decides: the k-th and (k+1)-th best golden
+    logits are more than 2 * 2 E of the row apart (rows with <= k pools always)."""
+    rows = []
+    for i in range(gold.shape[0]):
+        n = int(lengths[i])
+        if n <= k:
+            rows.append(i)
+            continue
+        v = np.sort(gold[i, :n])[::-1]
+        if v[k - 1] - v[k] > 4 * e[i, :n].max():
+            rows.append(i)
+    return np.asarray(rows, np.int64)
+
+
+def tc_case(rng, block_size=1152, heads=32, b=1, n=96, max_pages=9, layers=1):
+    layout = CacheLayout(IndexerConfig(block_size=block_size), num_layers=layers, num_blocks=6)
+    layer = layers - 1
+    cache = random_cache(rng, layout, layer=layer)
+    s = layout.strides(layer)
+    q8, wf = random_queries(rng, b, n, heads)
+    max_pages = min(max_pages, s.num_blocks * s.pages_per_block)
+    table = random_tables(rng, layout, layer, b, max_pages)
+    ctx = rng.integers(0, max_pages * s.page_rows + 1, size=(b, n)).astype(np.int32)
+    ctx[0, 0] = 0                                               # a row that sees nothing
+    ctx[0, -1] = max_pages * s.page_rows                        # one that sees every pool
+    return layout, layer, s, cache, q8, wf, table, ctx
+
+
+# ---------------------------------------------------------------------------------
+# CPU: planning, errors, the bound
+# ---------------------------------------------------------------------------------
+def test_rows_per_chunk_keeps_the_workspace_bound(rng):
+    for _ in range(200):
+        n_rows = int(rng.integers(1, 1 << 21))
+        n_cols = int(rng.integers(1, 1 << 19))
+        k = int(rng.choice([1, 7, 64, 512, 2048]))
+        batch = int(rng.integers(1, 9))
+        per_row = batch * workspace.chunk_row_bytes(n_cols, k)
+        ws = int(rng.integers(per_row, per_row * 5000))
+        c = workspace.rows_per_chunk(n_rows, n_cols, k, batch, ws)
+        assert 1 <= c <= n_rows
+        assert c * per_row <= ws                                 # the bound holds
+        assert c == n_rows or (c + 1) * per_row > ws             # and is used, not undershot
+    # the default bound: 1 GiB; a 1M-token prompt (262144 pools) still chunks
+    c = workspace.rows_per_chunk(1 << 20, 1 << 18, 512)
+    assert c * workspace.chunk_row_bytes(1 << 18, 512) <= workspace.DEFAULT_WORKSPACE_BYTES and c >= 1
+
+
+def test_rows_per_chunk_refuses_a_bound_below_one_row():
+    per_row = workspace.chunk_row_bytes(1000, 512)
+    with pytest.raises(ValueError, match="does not hold one query row"):
+        workspace.rows_per_chunk(10, 1000, 512, 1, per_row - 1)
+    for bad in (0, -5, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="positive int"):
+            workspace.rows_per_chunk(10, 1000, 512, 1, bad)
+
+
+def test_topk_scratch_width_is_the_next_power_of_two():
+    for k, kp in ((1, 1), (2, 2), (3, 4), (512, 512), (513, 1024), (2048, 2048)):
+        assert workspace.padded_k(k) == kp
+        assert workspace.topk_scratch_bytes_per_row(k) == 2 * kp * 8
+
+
+@pytest.mark.parametrize("block_size", [1152, 512, 256])
+def test_page_entries_address_every_row_of_a_page(rng, block_size):
+    """The kernel reads row r of a page at (entry's first key word + r * KEY_WORDS) and
+    (first scale word + r): the same words addressing gives row by row."""
+    layout = CacheLayout(IndexerConfig(block_size=block_size), num_layers=3, num_blocks=7, attn_block_bytes=64)
+    s = layout.strides(2)
+    n_pages = addr.num_pages(s)
+    pages = np.concatenate([rng.integers(0, n_pages, 20), [-1, n_pages, n_pages + 7, 0]]).astype(np.int32)
+    ent = np.asarray(addr.page_entries(s, jnp.asarray(pages)))
+    for i, p in enumerate(pages):
+        if not 0 <= p < n_pages:
+            assert ent[i, 0] == -1
+            continue
+        kw = int(ent[i, 0]) * 1024 + int(ent[i, 1])
+        sw = int(ent[i, 2]) * 1024 + int(ent[i, 3])
+        for r in range(s.page_rows):
+            assert kw + r * addr.KEY_WORDS == addr.global_word(s, addr.page_key_words(s, int(p), r))
+            assert sw + r == addr.global_word(s, addr.page_scale_words(s, int(p), r))
+
+
+def test_tc_geometry_rules():
+    workspace.check_tc_geometry(32, 32, True)
+    with pytest.raises(ValueError, match="page_rows"):
+        workspace.check_tc_geometry(48, 32, True)
+    with pytest.raises(ValueError, match="heads"):
+        workspace.check_tc_geometry(32, 16, True)
+    with pytest.raises(ValueError, match="aligned"):
+        workspace.check_tc_geometry(32, 32, False)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU's error; the GPU runs the kernels below")
+def test_triton_read_ops_off_the_gpu_name_the_alternatives(rng):
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, n=4)
+    pos = jnp.asarray(np.arange(4)[None, :], jnp.int32)
+    calls = {
+        "paged_logits": lambda: ops.paged_logits(cache, layout, layer, q8, wf, jnp.asarray(table), jnp.asarray(ctx),
+                                                 implementation="triton"),
+        "topk_pools": lambda: ops.topk_pools(jnp.zeros((2, 8)), jnp.ones((2,), jnp.int32), 4,
+                                             implementation="triton"),
+        "select_tokens": lambda: ops.select_tokens(cache, layout, layer, q8, wf, jnp.asarray(table), pos,
+                                                   implementation="triton", short_context=False),
+    }
+    for op, call in calls.items():
+        with pytest.raises(_call.TritonUnavailableError, match=rf"{op}: .*'pallas'.*'xla'"):
+            call()
+    # the default never needs jax_triton off the GPU
+    assert ops.default_implementation("select_tokens") == "xla"
+
+
+def test_select_tokens_argument_errors(rng):
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, n=4)
+    pos = jnp.asarray(np.arange(4)[None, :], jnp.int32)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="workspace_bytes must be a positive int"):
+            ops.select_tokens(cache, layout, layer, q8, wf, jnp.asarray(table), pos, workspace_bytes=bad)
+
+
+def test_xla_selection_is_the_same_under_any_workspace(rng):
+    """The workspace bound only chunks the query rows: a bound of a few rows gives the
+    same token indices as the default."""
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, n=40, max_pages=12)
+    pos = jnp.asarray(rng.permutation(np.arange(500, 500 + 40))[None, :], jnp.int32)
+    f = jax.jit(lambda c, q, w, t, p, ws: ops.select_tokens(c, layout, layer, q, w, t, p, topk_tokens=64,
+                                                            short_context=False, implementation="xla",
+                                                            workspace_bytes=ws), static_argnums=5)
+    hp = q8.shape[2]
+    row = hp * 12 * s.page_rows * 4
+    want = np.asarray(f(cache, q8, wf, jnp.asarray(table), pos, None))
+    for ws in (row, 3 * row + 1, 17 * row):
+        np.testing.assert_array_equal(np.asarray(f(cache, q8, wf, jnp.asarray(table), pos, ws)), want)
+
+
+def test_the_bound_holds_for_the_reference(rng):
+    """The XLA reference is one of the contract's two computations: within E of the exact
+    logits on random cases (and the bound is not vacuous: E is far below the logits)."""
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, n=24)
+    want = np.asarray(jax.jit(ref.paged_logits_strides, static_argnums=1)(
+        cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx)))
+    gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
+    fin = np.isfinite(gold)
+    assert np.array_equal(np.isneginf(want), ~fin)
+    assert (np.abs(want[fin] - gold[fin]) <= e[fin]).all()
+    assert np.median(e[fin] / np.maximum(np.abs(gold[fin]), 1e-30)) < 1e-3
+
+
+# ---------------------------------------------------------------------------------
+# GPU: the kernels compiled
+# ---------------------------------------------------------------------------------
+def _require_triton():
+    reason = _call.unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"the Triton kernels cannot run on this GPU machine: {reason}")
+
+
+TC_CASES = [
+    pytest.param(dict(block_size=1152, heads=32), id="P32-H32"),
+    pytest.param(dict(block_size=256, heads=32), id="P64-H32"),
+    pytest.param(dict(block_size=512, heads=64), id="P64-H64"),
+    pytest.param(dict(block_size=128, heads=16), id="P32-H16pad32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TC_CASES)
+def test_tc_paged_logits_within_the_bound(rng, case):
+    _require_triton()
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=2, n=37, **case)
+    got = np.asarray(ops.paged_logits(cache, layout, layer, q8, wf, jnp.asarray(table), jnp.asarray(ctx),
+                                      implementation="triton"))
+    q8p, wp = ops.pad_heads(q8), jnp.pad(wf, ((0, 0), (0, 0), (0, ops.padded_heads(q8.shape[2]) - q8.shape[2])))
+    gold, e = golden(cache, layout, layer, q8p, wp, table, ctx)
+    assert got.shape == gold.shape
+    assert not np.isnan(got).any()                               # every element written
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(gold))
+    fin = np.isfinite(gold)
+    assert (np.abs(got[fin] - gold[fin]) <= e[fin]).all(), np.max(np.abs(got[fin] - gold[fin]) / e[fin])
+
+
+def adversarial_scores(rng, rows, n):
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[0] = np.maximum(x[0], 0.0)                                 # a ReLU plateau of exact zeros
+    x[0, rng.integers(0, n, 3)] = 0.0
+    x[1] = np.round(x[1] * 2) / 2                                # few distinct values: heavy ties
+    x[2, ::7] = np.nan
+    x[2, 1::11] = -0.0
+    x[2, 3] = np.inf
+    x[2, 5] = -np.inf
+    x[3] *= 1e30                                                 # huge
+    x[4] *= 1e-30                                                # tiny (subnormal-ish)
+    x[5] = 1.0 + rng.random(n).astype(np.float32) * 1e-5         # distinct keys in a narrow bin ...
+    x[5, 0], x[5, 1] = 3e38, -3e38                               # ... of a huge range (exact fallback)
+    x[6] = 7.0                                                   # all equal
+    x[7] = np.repeat(rng.standard_normal(-(-n // 8)), 8)[:n]     # duplicated keys
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [512, 2048])
+def test_tc_topk_equals_the_reference(rng, k):
+    _require_triton()
+    rows, n = 24, 9000
+    x = adversarial_scores(rng, rows, n)
+    lengths = rng.integers(0, n + 100, rows).astype(np.int32)
+    lengths[:8] = n
+    lengths[8], lengths[9], lengths[10] = 0, k - 1, k + 1        # empty, shorter than k, just above
+    f = jax.jit(lambda a, l: ops.topk_pools(a, l, k, implementation="triton"))
+    got = np.asarray(f(jnp.asarray(x), jnp.asarray(lengths)))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(lambda a, l: ref.topk_pools(a, l, k))(
+        jnp.asarray(x), jnp.asarray(lengths))))
+    np.testing.assert_array_equal(got, np_topk(x, lengths, k))
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x), jnp.asarray(lengths))), got)   # run to run
+
+
+def _select(layout, layer, impl, ws=None):
+    return jax.jit(lambda c, q, w, t, p: ops.select_tokens(c, layout, layer, q, w, t, p, short_context=False,
+                                                           implementation=impl, workspace_bytes=ws))
+
+
+@pytest.mark.gpu
+def test_tc_select_tokens_follows_the_contract(rng):
+    """Prefill of one request: the selected pools equal the golden selection on every
+    decided row, the tail columns equal the reference's, determinism run to run."""
+    _require_triton()
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, n=300, max_pages=40)
+    c = layout.config
+    n_pools = table.shape[1] * s.page_rows
+    pos = np.sort(rng.choice(np.arange(2100, n_pools * c.kpool), 300, replace=False)).astype(np.int32)[None, :]
+    seq = pos + 1
+    ctx = seq // c.kpool
+    k = 64
+    f = jax.jit(lambda cc, q, w, t, p: ops.select_tokens(cc, layout, layer, q, w, t, p, topk_tokens=k * c.kpool,
+                                                          short_context=False, implementation="triton"))
+    got = np.asarray(f(cache, q8, wf, jnp.asarray(table), jnp.asarray(pos)))
+    again = np.asarray(f(cache, q8, wf, jnp.asarray(table), jnp.asarray(pos)))
+    np.testing.assert_array_equal(got, again)
+    gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
+    gold, e = gold[0], e[0]
+    decided = decided_rows(gold, e, ctx[0], k)
+    assert decided.size > 0.5 * pos.shape[1]                     # the check is not vacuous
+    want = np_expand(np_topk(gold, ctx[0], k), seq[0], c.kpool)
+    sel = lambda x: np.sort(x[:, :k * c.kpool].reshape(x.shape[0], k, c.kpool)[..., 0], axis=1)   # noqa: E731
+    np.testing.assert_array_equal(sel(got[decided]), sel(want[decided]))               # the selected sets
+    np.testing.assert_array_equal(got[:, k * c.kpool:], want[:, k * c.kpool:])         # the tail tokens
+
+
+@pytest.mark.gpu
+def test_tc_select_tokens_is_batch_invariant(rng):
+    """The same request's rows give the same indices whatever the chunking (workspace
+    bound), the other requests of the batch and the rows around them."""
+    _require_triton()
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=2, n=200, max_pages=40)
+    c = layout.config
+    n_pools = table.shape[1] * s.page_rows
+    pos = np.stack([np.sort(rng.choice(np.arange(2000, n_pools * c.kpool), 200, replace=False))
+                    for _ in range(2)]).astype(np.int32)
+    args = (cache, q8, wf, jnp.asarray(table), jnp.asarray(pos))
+    both = np.asarray(_select(layout, layer, "triton")(*args))
+    row = workspace.chunk_row_bytes(n_pools, c.topk_pools)
+    small = np.asarray(_select(layout, layer, "triton", ws=2 * 7 * row)(*args))       # chunks of 7 rows
+    np.testing.assert_array_equal(small, both)
+    alone = np.asarray(_select(layout, layer, "triton")(cache, q8[:1], wf[:1], jnp.asarray(table[:1]),
+                                                        jnp.asarray(pos[:1])))
+    np.testing.assert_array_equal(alone, both[:200])
+    shifted = np.asarray(_select(layout, layer, "triton")(cache, q8[:1, 3:], wf[:1, 3:], jnp.asarray(table[:1]),
+                                                          jnp.asarray(pos[:1, 3:])))
+    np.testing.assert_array_equal(shifted, both[3:200])
+
+
+@pytest.mark.gpu
+def test_tc_select_tokens_is_the_default_for_prefill_rows(rng):
+    _require_triton()
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, n=ops.TC_MIN_ROWS)
+    assert ops._read_impl("select_tokens", None, s, 32, rows_per_request=ops.TC_MIN_ROWS) == "triton"
+    assert ops._read_impl("select_tokens", None, s, 32, rows_per_request=ops.TC_MIN_ROWS - 1) == "pallas"
+    assert ops._read_impl("paged_logits", None, s, 32) == "pallas"
