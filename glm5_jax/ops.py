@@ -101,7 +101,7 @@ def _impl(op: str, implementation):
         raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if implementation == "triton":
         if op not in TRITON_OPS:
-            raise ValueError(f"{op}: implementation='triton' exists only for the write ops {TRITON_OPS}; "
+            raise ValueError(f"{op}: implementation='triton' exists only for the ops {TRITON_OPS}; "
                              f"use 'pallas' or 'xla'")
         _triton.require(op)
     return implementation

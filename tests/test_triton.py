@@ -282,11 +282,13 @@ def test_triton_without_jax_triton_raises_clear_error(monkeypatch, op):
     assert not _call.available()
 
 
-def test_triton_rejects_interpret_and_read_ops():
+def test_triton_rejects_interpret_and_ops_it_lacks():
     with pytest.raises(ValueError, match=r"seed_tail: implementation='triton' has no interpret mode"):
         _small_call("seed_tail", "triton", interpret=True)
-    with pytest.raises(ValueError, match=r"topk_pools: implementation='triton' exists only for the write ops"):
-        ops.topk_pools(jnp.zeros((2, 8)), jnp.full((2,), 8, jnp.int32), 4, implementation="triton")
+    with pytest.raises(ValueError, match=r"expand_pools: implementation='triton' exists only for the ops"):
+        ops.expand_pools(jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32), 4, implementation="triton")
+    with pytest.raises(ValueError, match=r"fwht_quant: implementation='triton' exists only for the ops"):
+        ops.fwht_quant(jnp.zeros((2, 128), jnp.bfloat16), implementation="triton")
     with pytest.raises(ValueError, match=r"implementation must be one of \('xla', 'pallas', 'triton'\) or None"):
         _small_call("decode_update", "cuda")
 
