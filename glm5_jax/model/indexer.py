@@ -209,6 +209,16 @@ def indexer_state_dict(indexer: Indexer, prefix: str = "") -> dict:
     return out
 
 
+def _safetensors(name: str):
+    """safetensors.numpy.<name>, or an ImportError saying which extra installs it."""
+    try:
+        import safetensors.numpy as st
+    except ImportError as e:
+        raise ImportError("loading or saving indexer weights needs the safetensors package: "
+                          "pip install 'glm5-jax[weights]'") from e
+    return getattr(st, name)
+
+
 def load_indexer_safetensors(indexer: Indexer, path, prefix: str = "") -> list:
     """Load an indexer's parameters from a safetensors file into ``indexer`` (in place).
 
@@ -219,7 +229,7 @@ def load_indexer_safetensors(indexer: Indexer, path, prefix: str = "") -> list:
     dtype (bf16 -> fp32 is exact; an fp32 tensor loaded into a bf16 parameter is
     rounded). Returns the checkpoint keys used.
     """
-    from safetensors.numpy import load_file
+    load_file = _safetensors('load_file')
     tensors = load_file(str(path))
     shapes = expected_shapes(indexer)
     used = []
@@ -239,5 +249,5 @@ def load_indexer_safetensors(indexer: Indexer, path, prefix: str = "") -> list:
 
 def save_indexer_safetensors(indexer: Indexer, path, prefix: str = "") -> None:
     """Write the indexer's parameters under their checkpoint names (for tests and tools)."""
-    from safetensors.numpy import save_file
+    save_file = _safetensors('save_file')
     save_file(indexer_state_dict(indexer, prefix), str(path))
