@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import secrets
 import shutil
@@ -66,6 +67,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """Free JAX's trace and compile caches and collect once, before the process reports
+    the session finished.
+
+    By then a worker's heap holds a million or more objects, most of them cached jaxprs,
+    and a full collection of it takes over a second on the 2-core CI machine. pytest's
+    cleanup after the session runs five (to surface unraisable exceptions), and an
+    xdist worker runs them after it has told the controller it is done: when they take
+    longer than the 5 s execnet allows a terminating worker, execnet sends the worker a
+    SIGINT, and the KeyboardInterrupt lands in whatever runs then, typically hypothesis's
+    gc callback, where pytest reports it as a PytestUnraisableExceptionWarning. No test
+    runs after this hook, so nothing needs the caches any more; xdist reports the worker
+    finished only after every plain sessionfinish hook has run."""
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
