@@ -16,8 +16,8 @@ For each case it times, in the same run, the whole selection
 unfused Pallas kernels (paged logits, then top-k) and the XLA reference (XLA
 logits + lax.top_k + expansion). Reported: microseconds per call, speed-up over
 XLA, and for decode the ratio to the bandwidth floor: ~35 bytes per context
-token per layer (132 B per pool read, 4 B logits written and read back; spec
-section 7.3) at the device-to-device copy bandwidth measured in this run.
+token per layer (132 B per pool read, 4 B logits written and read back;
+docs/semantics.md 7.3) at the device-to-device copy bandwidth measured in this run.
 Prefill rows report the fp8 dot rate achieved (2 * Hp * 128 FLOP per visible
 (row, pool) pair).
 
@@ -46,7 +46,7 @@ from glm5_jax.layout import CacheLayout
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import copy_bandwidth  # noqa: E402
 
-FLOOR_BYTES_PER_TOKEN = 35          # spec 7.3: decode, per context token per layer
+FLOOR_BYTES_PER_TOKEN = 35          # docs/semantics.md 7.3: decode, per context token per layer
 LOGIT_RTOL_GPU = 5e-4               # fp8 tensor-core dots accumulate with ~14 bits (tests/test_read_path.py)
 
 

@@ -6,7 +6,7 @@ Usage (on a machine with 2 GPUs; STEPS=scaleout bash benchmarks/gpu.sh runs it):
         PYTHONPATH=$PWD python benchmarks/bench_scaleout.py --preset cpu --fillers 4 --rounds 1
 
 Each device count N serves N times the same per-device workload (the ``simulate``
-probe of spec 6.1: N cached system prompts, one per shard, N x fillers churning
+probe of docs/semantics.md 6.1: N cached system prompts, one per shard, N x fillers churning
 with evictions, re-hits next to cache_salt controls) through one Engine whose
 cache has one shard per device, all N devices in one jit-compiled step. Every run
 uses the same pool size per device (the largest of the sizes the planner picks

@@ -1,6 +1,6 @@
 """The nnx Indexer layer: checkpoint names and shapes, safetensors loading, the
 projections (float64 oracle, batch invariance), and a chunked prefill through the
-layer checked byte for byte against the paging-free golden model (spec App. C)."""
+layer checked byte for byte against the paging-free golden model (docs/semantics.md appendix C)."""
 import functools
 
 import jax
@@ -333,7 +333,7 @@ def test_bf16_rounding_survives_f32_consumers(rng):
 
 def test_layer_prefill_in_non_aligned_chunks_matches_golden_pools(rng):
     """The layer's own projections, written in two chunks split mid-pool, give the
-    paging-free golden pools (Appendix C) and tail ring, byte for byte."""
+    paging-free golden pools (docs/semantics.md appendix C) and tail ring, byte for byte."""
     idx = make(rng)
     lay = CacheLayout(CFG, num_layers=1, num_blocks=8)
     n = int(rng.integers(70, 120))

@@ -1,7 +1,7 @@
-"""pallas_kernels.core.numerics (spec section 2): Hadamard-128, exact power-of-two
+"""pallas_kernels.core.numerics (docs/semantics.md 2): Hadamard-128, exact power-of-two
 scales, fp8/bf16 rounding with integer ops, the context-independent exp and
 reciprocal, and the exact-product multiply-add. Compared against float64 /
-ml_dtypes / a literal numpy butterfly, bit for bit where the spec promises bits."""
+ml_dtypes / a literal numpy butterfly, bit for bit where the semantics promise bits."""
 import math
 import pathlib
 
@@ -47,7 +47,7 @@ def _hadamard_matrix64():
 
 
 def _butterfly_np(x):
-    """The literal in-place butterfly of spec 2.1 in float32 numpy."""
+    """The literal in-place butterfly of docs/semantics.md 2.1 in float32 numpy."""
     y = np.array(x, dtype=F32, copy=True)
     s = 1
     while s < 128:
@@ -192,7 +192,7 @@ def test_pow2_scale_floor_for_small_inputs():
     scale, inv = jax.jit(nm.pow2_scale)(jnp.asarray(amax))
     assert np.all(np.asarray(scale) == np.float32(2.0**-22))
     assert np.all(np.asarray(inv) == np.float32(2.0**22))
-    # 2^-22 is what the spec derives: 2^ceil(log2(1e-4/448))
+    # 2^-22 is what docs/semantics.md 2.2 derives: 2^ceil(log2(1e-4/448))
     assert 2.0**math.ceil(math.log2(1e-4 / 448)) == 2.0**-22
 
 

@@ -1,6 +1,6 @@
 """Read path: query quantisation, paged logits, exact top-k over pools, expansion,
 and whole token selection. Pallas kernels vs the XLA reference vs numpy oracles
-and the paging-free golden model (spec Appendix C).
+and the paging-free golden model (docs/semantics.md appendix C).
 
 On CPU the kernels run in interpret mode; on a GPU backend the same tests run
 them compiled. Logits are f32 sums whose order may differ between Pallas and
@@ -795,7 +795,7 @@ def test_paged_topk_never_materialises_logits(rng):
 
 
 # ---------------------------------------------------------------------------------
-# whole selection vs the paging-free golden model (Appendix C)
+# whole selection vs the paging-free golden model (docs/semantics.md appendix C)
 # ---------------------------------------------------------------------------------
 @jax.jit
 def _compress_pools(k, g, ape):                    # [m, R, 128] bf16 x2, [R, 128] -> (q8, scale)
@@ -806,8 +806,9 @@ def _compress_pools(k, g, ape):                    # [m, R, 128] bf16 x2, [R, 12
 
 
 def golden_pools(sc):
-    """Appendix C pools of every request straight from its token stream (no pages, no ring);
-    the same as Scenario.golden_pools, in one compiled call."""
+    """The golden model's pools (docs/semantics.md appendix C) of every request, straight
+    from its token stream (no pages, no ring); the same as Scenario.golden_pools, in one
+    compiled call."""
     r = sc.layout.config.kpool
     m = [q.length_tokens // r for q in sc.requests]
     k = np.concatenate([q.key[:mi * r].reshape(mi, r, 128) for q, mi in zip(sc.requests, m)])
@@ -929,7 +930,7 @@ def test_short_context_path(rng):
     # traced positions: the choice happens on the device (lax.cond)
     f = jax.jit(lambda p: ops.select_tokens(cache, layout, 0, q8, wf, table, p, implementation="pallas"))
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(pos))), want)
-    # spec invariant 6: the sparse path selects the same token sets
+    # docs/semantics.md 8, invariant 6: the sparse path selects the same token sets
     sparse = np.asarray(ops.select_tokens(*args, implementation="pallas", short_context=False))
     for row_s, row_w in zip(sparse, want):
         assert sorted(row_s[row_s >= 0].tolist()) == sorted(row_w[row_w >= 0].tolist())

@@ -46,7 +46,7 @@ def test_vllm_compress_vector_pallas():
 
 @pytest.mark.parametrize("fault", [None, "dense-tail-stride"])
 def test_padded_stride_regression_kernel(rng, fault):
-    """Spec B1 through the Pallas seed kernel (see write_cases.check_padded_stride)."""
+    """Bug B1 (docs/semantics.md 6) through the Pallas seed kernel (see write_cases.check_padded_stride)."""
     from pallas_kernels.writes.tail_seed import seed_tail as kernel
     check_padded_stride(rng, kernel, fault)
 
@@ -90,7 +90,7 @@ def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
     """A decode batch that no scheduler sends but the walk still defines: positions
     repeated, out of order and padded (-1, -7); tail slots that point at either of the
     request's tail blocks, at no block (-1) or past the last one; pool slots valid, -1
-    or out of range (each valid one used once in the batch). What the spec does
+    or out of range (each valid one used once in the batch). What docs/semantics.md does
     guarantee holds: requests keep to their own tail blocks (5.4), and a block holding
     pools is never a tail block (3.5: one owner per block id), so pool records never
     overlap ring rows. Tail blocks 1 .. 2b, pools in blocks 2b + 1 and up."""

@@ -1,4 +1,4 @@
-"""Shared numerics of the kpool indexer (spec section 2), used verbatim by the
+"""Shared numerics of the kpool indexer (docs/semantics.md 2), used verbatim by the
 Pallas kernel bodies and by the XLA reference so both perform the same float
 operations in the same order.
 
@@ -39,7 +39,7 @@ def positive_zero(x):
 def hadamard128(x, zero_plus=None):
     """Unnormalised Walsh-Hadamard transform over the last axis (size 128), f32.
 
-    The spec's in-place butterfly (2.1): the stage with stride s = 1, 2, ..., 64 pairs
+    The in-place butterfly of docs/semantics.md 2.1: the stage with stride s = 1, 2, ..., 64 pairs
     elements i and i + s (bit s of i clear) and writes a + b at i and a - b at i + s.
     Each stage views the values as [..., G, 2, s], moves the pair axis last, takes
     the pair apart (``lax.unstack``: a Triton split) and puts (a + b, a - b) back in
@@ -327,7 +327,7 @@ def mac_bf16(c, k, e, mul=None):
 
 
 def softmax_weights(s, exp):
-    """The pooling's weights e_j = exp(s_j - max s) (spec 2.2) for the R scores s (arrays of
+    """The pooling's weights e_j = exp(s_j - max s) (docs/semantics.md 2.2) for the R scores s (arrays of
     one shape): the max taken left to right, then one ``exp`` per score. The reference's form."""
     m = s[0]
     for j in range(1, len(s)):
@@ -367,7 +367,7 @@ def softmax_weights_knockout(s, exp):
 
 def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=None, zero_plus=None,
                   fp8_saturates=False, weights=None):
-    """Softmax-gated pooling of one pool (spec 2.2), then rotation + fp8.
+    """Softmax-gated pooling of one pool (docs/semantics.md 2.2), then rotation + fp8.
 
     keys, gates: sequences of R arrays [..., 128] bf16 (slot j = pos % R order).
     ape_rows: sequence of R arrays [128] (or broadcastable) f32.
@@ -405,7 +405,7 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
 
 
 def fwht_quant_rows(q):
-    """Query side (spec 2.3): q[..., 128] bf16 -> (q8 e4m3fn, scale f32)."""
+    """Query side (docs/semantics.md 2.3): q[..., 128] bf16 -> (q8 e4m3fn, scale f32)."""
     return rotate_quant(q.astype(jnp.float32))
 
 

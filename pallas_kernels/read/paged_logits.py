@@ -1,4 +1,4 @@
-"""Kernel: paged indexer logits, decode and prefill (spec 2.4, 5.7, 5.8).
+"""Kernel: paged indexer logits, decode and prefill (docs/semantics.md 2.4, 5.7, 5.8).
 
     logit[b, j, m] = sum_h w'[b, j, h] * relu(dot(q8[b, j, h], K8[m]) * kscale[m])
 

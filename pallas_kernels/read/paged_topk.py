@@ -1,4 +1,4 @@
-"""Kernel: fused paged logits -> exact top-k pools (spec 2.4, 2.5, 5.8, 5.9).
+"""Kernel: fused paged logits -> exact top-k pools (docs/semantics.md 2.4, 2.5, 5.8, 5.9).
 
 Same result as ``topk.topk_pools`` applied to ``paged_logits.paged_logits``
 (best k pools per query row by descending logit, ties by ascending pool id, -1

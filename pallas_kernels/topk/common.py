@@ -1,4 +1,4 @@
-"""Kernel: exact, deterministic top-k over rows of scores (spec 2.5, 5.9).
+"""Kernel: exact, deterministic top-k over rows of scores (docs/semantics.md 2.5, 5.9).
 
 The shared floor of the ``topk`` package: order keys, the streaming core (also
 used by ``pallas_kernels.read.paged_topk``), ``Tuning`` and the constants. The stage

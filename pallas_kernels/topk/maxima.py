@@ -1,4 +1,4 @@
-"""Kernel: the run maxima of ``topk.topk_pools``'s key floor (spec 2.5, 5.9).
+"""Kernel: the run maxima of ``topk.topk_pools``'s key floor (docs/semantics.md 2.5, 5.9).
 
 Same value as ``common.run_maxima`` (the XLA reduce), bit for bit: a row's columns
 are cut into M runs of RUN consecutive columns (``common.run_geometry``: RUN a power

@@ -1,4 +1,4 @@
-"""Kernel: the final select of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
+"""Kernel: the final select of ``topk.topk_pools`` in filter mode (docs/semantics.md 2.5, 5.9).
 
 The row's candidate list (``filter``: the row's count n and its first n
 slots, in no particular order) holds every valid key >= the row's floor, and the

@@ -1,4 +1,4 @@
-"""Kernel: batched decode update with pool completion (spec 5.4).
+"""Kernel: batched decode update with pool completion (docs/semantics.md 5.4).
 
 Touches ONLY, per request b and token t (in index = position order):
   * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc):
@@ -7,8 +7,9 @@ Touches ONLY, per request b and token t (in index = position order):
     pos % ring of its own tail block (tslot // ring).
 It reads the kpool-1 earlier members of a completing pool from the same ring.
 
-Grid: one program per request. The bytes are the spec's walk: token by token in
-order, each completion reading the ring before the token's own stash, so a
+Grid: one program per request. The bytes are those of the walk of docs/semantics.md
+5.4: token by token in order, each completion reading the ring before the token's own
+stash, so a
 completion at the last token of a verify window sees stashes written by earlier
 tokens of the same launch. n, the static width of the [B, n] arrays, bounds the
 tokens; padding tokens (pos < 0) do nothing, so fewer or uneven tokens per
