@@ -282,9 +282,9 @@ def logits_from_pools(q8, weights, k8, kscale, page_ok, context_pools):
     """
     # bf16 operands: every e4m3 value is exact in bf16, so the products are exact and
     # the dot accumulates in f32. An einsum of the fp8 arrays themselves runs on the
-    # H200's fp8 tensor cores with their reduced-precision accumulation: measured
-    # (session 5, tests/scripts/gpu_diag_s5.py) up to 1.6e-3 of a row's largest logit
-    # off the f64 golden scores, and different bits for each row count.
+    # H200's fp8 tensor cores with their reduced-precision accumulation: up to 1.6e-3 of
+    # a row's largest logit off the f64 golden scores, and different bits for each row
+    # count (tests/scripts/gpu_numerics_diag.py measures both).
     sc = jnp.einsum("bnhd,bmd->bnhm", q8.astype(jnp.bfloat16), k8.astype(jnp.bfloat16),
                     preferred_element_type=jnp.float32)
     sc = jnp.maximum(sc * kscale[:, None, None, :], 0.0)

@@ -263,11 +263,12 @@ def bf16(x):
 
     Not ``x.astype(bfloat16)`` alone: XLA on the GPU drops an f32 -> bf16 -> f32
     round trip when it may keep excess precision (``xla_allow_excess_precision``,
-    on by default), so a consumer computing in f32 saw the unrounded value: the
-    products of ``linear``'s chain were then no longer exact, and the Pallas
-    projection kernel (which receives a real bf16 array) gave other bits (H200,
-    session 5, tests/scripts/gpu_diag_s5.py). Rounded by ``numerics.round_bf16``
-    first, the value is bf16-exact whether or not XLA keeps the round trip.
+    on by default), so a consumer computing in f32 would see the unrounded value: the
+    products of ``linear``'s chain would no longer be exact, and the Pallas projection
+    kernel (which receives a real bf16 array) would give other bits (on the H200;
+    tests/scripts/gpu_numerics_diag.py shows whether XLA keeps the round trip). Rounded
+    by ``numerics.round_bf16`` first, the value is bf16-exact whether or not XLA keeps
+    the round trip.
     """
     if x.dtype == jnp.bfloat16:
         return x
