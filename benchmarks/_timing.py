@@ -36,9 +36,9 @@ def time_chain(step, state, *args, reps=20, trials=5):
 
     The time includes 1/reps of what dispatching the jit costs once (~40-60 us on
     the H200): with reps = 20 that is 2-3 us per call, more than an empty kernel
-    launch, so latency-bound kernels are timed with reps = 100 (<= 0.6 us). Taking
-    the difference of a short and a long chain instead was tried in session 3 and
-    gave impossible values (calls below an empty launch) at 2 vs 10 calls.
+    launch, so latency-bound kernels are timed with reps = 100 (<= 0.6 us). The
+    difference of a short and a long chain is no way around it: at 2 vs 10 calls it
+    gives impossible values (calls below an empty launch).
     """
     chain = _chain(step, reps)
     state = chain(state, *args)             # compile + warm up

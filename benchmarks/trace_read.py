@@ -6,7 +6,7 @@ Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 2
 
 bench_read.py times calls chained in one jit, each made to depend on the last by a
 small perturbation of its inputs. Those perturbations are kernels too: its
-"harness only" row costs ~7 us per call on the H200 (session 10), inside every
+"harness only" row costs ~7 us per call on the H200, inside every
 chained number. Here each call is its own jit execution, queued right behind a
 long one-program "busy" kernel (``BUSY_ITERS`` dependent multiply-adds, a few
 hundred us), so all of the call's kernels are on the stream before the GPU reaches

@@ -6,9 +6,9 @@ Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_writes.py [--calls
 
 bench_writes.py times chains of calls in one jit: the chain's dispatch is shared by
 its calls (1/10 of ~50 us per compression call), and its spread between runs is
-larger than the latency-bound kernels' differences (session 11: the same
-compression kernel measured 44.6 us chained at 4k tokens against 20.1 us a session
-earlier). Here, as in trace_read.py, each call is its own jit execution with the
+larger than the latency-bound kernels' differences (the same compression kernel at
+4k tokens has measured 20.1 and 44.6 us chained on the same H200). Here, as in
+trace_read.py, each call is its own jit execution with the
 cache donated, queued behind a one-program busy kernel, and its device span (first
 kernel's start to last kernel's end) is read from a jax profiler trace.
 

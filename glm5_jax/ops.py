@@ -257,9 +257,8 @@ def default_read_path(rows_per_request: int) -> str:
     """select_tokens' path when none is given: "unfused" for decode-sized row counts,
     "fused" from FUSED_MIN_ROWS rows per request (prefill chunks). Measured on the
     H200 (docs/benchmarks.md): decode B = 64 x 128k, 1 row, unfused 160-163 us against
-    fused 423-428. Prefill of one request (session 11, run 2, before the fused
-    kernel's f16 / 2-page shape): 32k tokens fused 21.0 ms, unfused 24.6; 128k tokens
-    fused 216.8 ms, unfused 169.5. So at 128k the unfused path is faster, but it
+    fused 423-428. Prefill of one request: 32k tokens fused 20.0 ms, unfused 23.8;
+    128k tokens fused 194.3 ms, unfused 162.0. So at 128k the unfused path is faster, but it
     writes every chunk's logits to memory (512 MiB at a time) and reads them back;
     the fused path never writes logits, which is what a long prefill is asked to
     do, so prefill stays fused. Pass path="unfused" to trade that memory traffic

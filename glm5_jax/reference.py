@@ -177,7 +177,7 @@ def fwht_quant(q):
 
 
 # ---------------------------------------------------------------------------------
-# public signatures (ARCHITECTURE.md): layout + layer instead of strides
+# public signatures: layout + layer instead of strides
 # ---------------------------------------------------------------------------------
 def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot):
     return seed_tail_strides(cache, layout.strides(layer), key, gate, tslot)
@@ -394,7 +394,8 @@ def branch_short(short, fill, sparse):
     """Run the short-context fill or the sparse path: a Python choice when `short`
     is known now, a lax.cond on the device otherwise (same output shape). On the
     H200 with jax 0.11.2 a conditional does not make the call wait for the device
-    (benchmarks/dispatch_sync.py, session 4)."""
+    (docs/benchmarks.md; ``glm5_jax.serving.sharding.host_waits`` finds the instructions
+    that would)."""
     if isinstance(short, bool):
         return fill() if short else sparse()
     return _lax.cond(short, fill, sparse)

@@ -10,8 +10,8 @@ import tempfile
 # XLA CPU flags for the test processes, set before jax starts its backend. The CPU tests
 # spend most of their time compiling (the interpret-mode kernels, the engine's step), and
 # XLA's legacy CPU emitters compile those programs faster than its fusion emitters, with
-# the same results: the suite took 545 s against 790 s in two workers (session 23, the
-# same tests passing both ways), the engine's step running no slower. Lower LLVM
+# the same results (measured: 545 against 790 s for the suite in two workers, the same
+# tests passing both ways, the engine's step running no slower). Lower LLVM
 # optimization levels compile faster still but run the engine's steps 2-10x slower.
 # test_write_bytes_do_not_depend_on_the_cpu_emitters holds the writes' bytes equal under both.
 # Set only where a probe process shows the backend is the CPU and this jax accepts the
@@ -48,8 +48,8 @@ ON_GPU = jax.default_backend() == "gpu"
 # On the CPU, one persistent compilation cache per test run, shared by the pytest-xdist
 # workers and the notebooks' kernels (they inherit the environment): tests in different
 # processes that compile the same program (the engine's step at the tests' shapes, the
-# interpret-mode kernels) compile it once. A clean-clone .ci/run took 708 s with it against
-# 803 s without (session 21). The controller process makes the directory before the
+# interpret-mode kernels) compile it once (measured: 708 s for a clean-clone CI run with
+# it against 803 s without). The controller process makes the directory before the
 # workers start (they find it in the environment) and removes it at exit; a
 # JAX_COMPILATION_CACHE_DIR set by the caller is used as it is. GPU runs keep no cache.
 if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -32,7 +32,7 @@ def test_layout_default_config(capsys):
     assert main(["layout"]) == 0
     out = capsys.readouterr().out
     t = _table(out)
-    # spec section 3.2, the PR #57477 row: B = 1152, R = 4
+    # docs/semantics.md 3.2, the PR #57477 row: B = 1152, R = 4
     assert t["block size tokens"] == 1152
     assert t["index block bytes"] == 38_016
     assert t["pages per block"] == 9

@@ -149,8 +149,8 @@ def test_ordered_chain_unroll_changes_no_bit(rng, monkeypatch, request, op):
     """The unroll of the ordered contractions is a launch-cost knob only: every
     unroll, including none and all, gives the same bits. UNROLL is read when the
     function is traced, and jax's trace cache does not see a patched module global:
-    the caches are cleared for each unroll (until session 17 they were not, and all
-    five runs reused the first one's program), and the programs must differ."""
+    the caches are cleared for each unroll (else all five runs would reuse the first
+    one's program), and the programs must differ."""
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the XLA chain ("auto" is the kernel on a GPU)
     request.addfinalizer(jax.clear_caches)                 # (runs before monkeypatch restores UNROLL)
     x, w = bf16(rng, (9, 70)), bf16(rng, (70, 12), 0.1)

@@ -35,20 +35,20 @@ from jax import lax
 from pallas_kernels.core import numerics as nm
 
 # Steps per fori_loop iteration of an ordered chain (python-unrolled inside). Measured
-# on the H200 (session 4, bench_scaleout): the host launches a loop body once per
-# iteration, so with 8 a serving step's dispatch took about as long as its device
-# work (~25 ms of ~27); 64 cut the dispatch to 4.6 ms but the device part grew to
-# ~52 ms (the long unrolled bodies run slower) and throughput fell from 11.1k to
-# 6.6k tokens/s. 8 stays; the unroll changes no bit either way.
+# on the H200 with bench_scaleout (docs/benchmarks.md): the host launches a loop body
+# once per iteration, so with 8 a serving step's dispatch takes about as long as its
+# device work (~25 ms of ~27); 64 cuts the dispatch to 4.6 ms but the device part grows
+# to ~52 ms (the long unrolled bodies run slower) and throughput falls from 11.1k to
+# 6.6k tokens/s. The unroll changes no bit either way.
 UNROLL = 8
 # Who runs the contractions (linear, linear_f32, batched_linear, sum_sq_last): "xla"
 # (the fori_loop chains here), "pallas" (one kernel per contraction,
 # pallas_kernels/contractions/ordered_linear.py and ordered_sumsq.py: the same operations in the
 # same order, so the same bits, with one launch instead of K / UNROLL host-launched
 # loop iterations) or "auto": "pallas" on a GPU, "xla" elsewhere (on the CPU the
-# kernels run in interpret mode, far slower than the loops). Measured on the H200
-# (session 5, bench_scaleout): with every contraction in a kernel a serving step's
-# dispatch falls from 26 to 1.1 ms and one GPU serves 34 % more tokens/s; the bits
+# kernels run in interpret mode, far slower than the loops). Measured on the H200 with
+# bench_scaleout (docs/benchmarks.md): with every contraction in a kernel a serving
+# step's dispatch falls from 26 to 1.1 ms and one GPU serves 34 % more tokens/s; the bits
 # equal the chains' (tests/test_gpu.py, and the engine test serving the same
 # tokens and cache bytes).
 CONTRACTIONS = "auto"
