@@ -1,10 +1,12 @@
 """Instruction mix of a kernel from Nsight Compute's source page: warp instructions
-executed per SASS opcode, summed over the kernel (session 8 found the compression
-kernel's 34 % FADD / 27 % FMUL / 21 % LOP3 and no FFMA this way).
+executed per SASS opcode, summed over the kernel (e.g. whether a kernel's multiply-adds
+compiled to FFMA or to separate FADD / FMUL).
 
 Usage: python benchmarks/_sass_summary.py SASS.csv, where SASS.csv comes from
-  ncu --profile-from-start off --clock-control none --section SourceCounters \
-      --page source --print-source sass --csv python3 benchmarks/probe_compress.py --profile ...
+  ncu --profile-from-start off --clock-control none --section SourceCounters -o rep \
+      python3 benchmarks/trace_writes.py --profile compress:131072
+  ncu --import rep.ncu-rep --page source --print-source sass --csv > SASS.csv
+(benchmarks/gpu.sh, step ncu).
 """
 import csv, sys, collections, re
 rows = list(csv.reader(open(sys.argv[1], errors="replace")))

@@ -8,7 +8,10 @@ launch, the XLA reference.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import glob
+import os
 import time
 
 import jax
@@ -33,9 +36,9 @@ def time_chain(step, state, *args, reps=20, trials=5):
 
     The time includes 1/reps of what dispatching the jit costs once (~40-60 us on
     the H200): with reps = 20 that is 2-3 us per call, more than an empty kernel
-    launch, so latency-bound kernels are timed with reps = 100 (<= 0.6 us). Taking
-    the difference of a short and a long chain instead was tried in session 3 and
-    gave impossible values (calls below an empty launch) at 2 vs 10 calls.
+    launch, so latency-bound kernels are timed with reps = 100 (<= 0.6 us). The
+    difference of a short and a long chain is no way around it: at 2 vs 10 calls it
+    gives impossible values (calls below an empty launch).
     """
     chain = _chain(step, reps)
     state = chain(state, *args)             # compile + warm up
@@ -111,3 +114,49 @@ def empty_launch_seconds():
     """Seconds per call of an empty Pallas kernel (one program) chained in one jit."""
     t, _ = time_chain(empty_launch_step, jnp.zeros((1024,), jnp.uint32), reps=100)
     return t
+
+
+def cudart():
+    """libcudart of the CUDA pip wheels JAX uses (or the system one); None if absent."""
+    try:
+        import nvidia
+    except ImportError:                                   # no CUDA wheels (CPU machine)
+        return None
+    pats = [os.path.join(p, "**", "libcudart.so*") for p in nvidia.__path__]
+    for path in sorted(sum((glob.glob(p, recursive=True) for p in pats), [])) + ["libcudart.so"]:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def threaded(f, state, *args):
+    """A call for ``profile_calls``: ``state = f(state, *args)`` on the state the previous
+    call returned (f jitted with the state donated)."""
+    box = [state]
+
+    def call():
+        box[0] = f(box[0], *args)
+        return box[0]
+    return call
+
+
+def profile_calls(calls) -> list:
+    """For Nsight Compute (``ncu --profile-from-start off``): run each (name, call) of
+    `calls` once (compile and warm up), then each once more between cudaProfilerStart and
+    cudaProfilerStop, so ncu sees exactly the kernels of those calls, in order. Off the
+    GPU (no libcudart) the calls still run, without a profiler range. Prints and returns
+    the names in the order profiled."""
+    for _, call in calls:
+        jax.block_until_ready(call())
+    lib = cudart()
+    if lib is not None:
+        lib.cudaProfilerStart()
+    for _, call in calls:
+        jax.block_until_ready(call())
+    if lib is not None:
+        lib.cudaProfilerStop()
+    names = [n for n, _ in calls]
+    print("profiled, in order:", "; ".join(names), "" if lib is not None else "(no libcudart: no profiler range)")
+    return names

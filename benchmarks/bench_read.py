@@ -16,8 +16,8 @@ For each case it times, in the same run, the whole selection
 unfused Pallas kernels (paged logits, then top-k) and the XLA reference (XLA
 logits + lax.top_k + expansion). Reported: microseconds per call, speed-up over
 XLA, and for decode the ratio to the bandwidth floor: ~35 bytes per context
-token per layer (132 B per pool read, 4 B logits written and read back; spec
-section 7.3) at the device-to-device copy bandwidth measured in this run.
+token per layer (132 B per pool read, 4 B logits written and read back;
+docs/semantics.md 7.3) at the device-to-device copy bandwidth measured in this run.
 Prefill rows report the fp8 dot rate achieved (2 * Hp * 128 FLOP per visible
 (row, pool) pair).
 
@@ -46,7 +46,7 @@ from glm5_jax.layout import CacheLayout
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import copy_bandwidth  # noqa: E402
 
-FLOOR_BYTES_PER_TOKEN = 35          # spec 7.3: decode, per context token per layer
+FLOOR_BYTES_PER_TOKEN = 35          # docs/semantics.md 7.3: decode, per context token per layer
 LOGIT_RTOL_GPU = 5e-4               # fp8 tensor-core dots accumulate with ~14 bits (tests/test_read_path.py)
 
 
@@ -57,14 +57,13 @@ def time_read(f, args, reps=10, trials=5, fixed=0, perturb=None):
     positions in `perturb` (default: every int / float arg after the fixed ones) of
     each later call get a 0 added that XLA cannot prove is 0 (a compare of the
     previous output's first element with an unlikely value), so every call depends
-    on the last and none can be merged, hoisted or removed. (Identical calls, or
-    calls whose output nobody reads, are deduplicated or deleted by XLA: the first
-    version of this harness timed 1 call and divided by 10; the second perturbed
-    only the first integer argument, which lax.top_k(x, k) ignores, so its 10 calls
-    merged.) Perturb only small arguments that f reads when a big one feeds a
-    kernel: XLA cannot fuse `x + 0` into a Pallas call, so perturbing the [64,
-    131072] scores of a top-k wrote them out again on every call (~17 us of each
-    timed call until session 7).
+    on the last and none can be merged, hoisted or removed. (XLA deduplicates identical
+    calls and deletes calls whose output nobody reads, so without the chain a harness
+    would time 1 call and divide by 10; perturbing an argument that f ignores, such as
+    k of lax.top_k(x, k), lets the calls merge just the same: tests/test_bench_harness.py.)
+    Perturb only small arguments that f reads when a big one feeds a kernel: XLA cannot
+    fuse `x + 0` into a Pallas call, so perturbing the [64, 131072] scores of a top-k
+    would write them out again on every call (~17 us of each timed call).
     """
     n_fixed = fixed
 
@@ -223,17 +222,17 @@ def bench_topk_parts(rows, n, k, reps, trials):
             for name, sec in res.items()]
 
 
-# (pages_per_step, steps, num_warps, byte_view): paged_logits.Tuning; session 9 (the byte view)
+# (pages_per_step, steps, num_warps, byte_view): paged_logits.Tuning
 LOGITS_SWEEP = [(4, 1, 2), (8, 1, 2), (4, 2, 2), (2, 2, 2), (4, 1, 4), (8, 1, 4), (4, 4, 4), (8, 1, 4, False)]
-# (score_chunk, target_programs, buckets_per_k, num_warps); the first GPU sweep
-# (docs/results/2026-11-30_s2_bench_read_sweep_run2.txt) ranked 10 shapes: larger
-# chunks and 8 warps lost, the pre-filter won 1.37x; these are the ones left open
+# (score_chunk, target_programs, buckets_per_k, num_warps) of the streaming mode: the
+# pre-filter against none and the two program counts; larger chunks and 8 warps are
+# slower on the H200
 TOPK_SWEEP = [(1024, 264, 0, 4), (1024, 264, 4, 4), (1024, 528, 4, 4), (512, 528, 4, 4)]
 # filter mode (topk.Tuning keyword arguments): Pallas floor, one filter pass into a
 # per-row candidate list (one atomic reservation per program), a select that ranks
-# the candidates pairwise. Session 7 rewrote the kernels; these bracket the defaults.
+# the candidates pairwise. These bracket the defaults.
 TOPK_FILTER_SWEEP = [
-    dict(),                          # default: 8 k runs, cap auto, filter 8 warps, select 64 x 64, radix 2
+    dict(),                          # default: 8 k runs, cap auto, filter 8 warps, select 32 x 64, radix 2
     dict(buckets_per_k=4),
     dict(buckets_per_k=16),
     dict(filter_warps=4),
@@ -246,8 +245,8 @@ TOPK_FILTER_SWEEP = [
     dict(select_tj=32, select_warps=8),
 ]
 TOPK_FILTER_QUICK = [dict(), dict(select_ti=16, select_tj=16)]
-# session 10: the select without its fallback path (148 registers instead of 255) may
-# want other tiles and warps; `--topk-sweep select` runs only these
+# the select's tiles and warps (the fallback runs in a launch of its own, so the select
+# kernel takes 148 registers, not 255); `--topk-sweep select` runs only these
 TOPK_SELECT_SWEEP = [
     dict(),
     dict(select_warps=8),

@@ -1,12 +1,12 @@
 """Weak scaling of the serving loop over devices: simulate's throughput on 1 device vs N.
 
-Usage (on a machine with 2 GPUs; benchmarks/gpu_scaleout.sh runs it after the tests):
+Usage (on a machine with 2 GPUs; STEPS=scaleout bash benchmarks/gpu.sh runs it):
     PYTHONPATH=$PWD python benchmarks/bench_scaleout.py [--devices 1,2] [--goal 1.8] [--json out.json]
     CPU smoke run: XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
         PYTHONPATH=$PWD python benchmarks/bench_scaleout.py --preset cpu --fillers 4 --rounds 1
 
 Each device count N serves N times the same per-device workload (the ``simulate``
-probe of spec 6.1: N cached system prompts, one per shard, N x fillers churning
+probe of docs/semantics.md 6.1: N cached system prompts, one per shard, N x fillers churning
 with evictions, re-hits next to cache_salt controls) through one Engine whose
 cache has one shard per device, all N devices in one jit-compiled step. Every run
 uses the same pool size per device (the largest of the sizes the planner picks

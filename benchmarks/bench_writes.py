@@ -14,11 +14,11 @@ to an empty Pallas launch, and the speed-up over the XLA reference (when "xla"
 is among --impls). All implementations run the same sizes in one run; "triton"
 is skipped with a note where it cannot run (no GPU, or jax_triton missing).
 
-Since session 12 the write numbers in docs/benchmarks.md come from trace_writes.py
-(each call's device span from a profiler trace): a chain shares one jit dispatch
-among its calls, and XLA may compute the pools of identical chained calls once.
-This script stays for the Triton-language kernels and for comparison with earlier
-sessions.
+The write tables of docs/benchmarks.md come from trace_writes.py (each call's
+device span from a profiler trace): a chain shares one jit dispatch among its
+calls, and XLA may compute the pools of identical chained calls once. This script
+times the Triton-language kernels beside Pallas and XLA (``ops.DEFAULT_ORDER``'s
+choice between them).
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def main(argv=None):
         for name, case, res, _ in new:
             print("measured", name, case, {k: f"{v * 1e6:.2f} us" for k, v in res.items()}, flush=True)
 
-    # the cases of the issue's goals first (B = 256, 32k and 128k tokens), in case a time
+    # the headline cases first (B = 256, 32k and 128k tokens), in case a time
     # limit cuts the run; the table below lists them in size order
     for b in ((4,) if a.quick else (256, 64, 1)):
         for n in (1, 4):

@@ -75,6 +75,28 @@ def serve_steps(eng, warm_steps: int):
         eng.step()
 
 
+def capture(eng, warm_steps):
+    """Serve eng for warm_steps steps; return {kind: (plans, shape, cache row before the
+    step)} for the decode-only step with the most decode rows ("decode") and the step with
+    the most tokens ("busiest")."""
+    kept, real_batch = {}, eng_mod.Engine._batch
+
+    def batch(self, shape, plans):
+        rows = [r for p in plans for r in p.dec_rows + p.pre_rows]
+        score = dict(decode=len(rows) if not any(p.pre_rows for p in plans) else -1,
+                     busiest=sum(len(r.token_ids) for r in rows))
+        for kind, s in score.items():
+            if s > kept.get(kind, (-1,))[0]:
+                kept[kind] = (s, plans, shape, sharding.host_shard(self.cache, 0))
+        return real_batch(self, shape, plans)
+    eng_mod.Engine._batch = batch
+    try:
+        serve_steps(eng, warm_steps)
+    finally:
+        eng_mod.Engine._batch = real_batch
+    return {k: v[1:] for k, v in kept.items() if v[0] > 0}
+
+
 def capture_step(w, model, num_blocks, warm_steps):
     """Serve w on one device for warm_steps steps; return (packed step arrays [1, total]
     i32, fields, real tokens, the cache row before that step [words] u32, the engine)."""

@@ -1,45 +1,45 @@
 #!/usr/bin/env bash
-# GPU checks and measurements on one H200, offered as named steps that run in one device call.
+# GPU checks and measurements, offered as named steps that run in one device call.
 #   device tool (from the repo root, carry .vectors and .whl):
-#     STEPS="tests notebooks writes" bash benchmarks/gpu.sh
-# STEPS: the steps to run, in order; the default "tests notebooks writes" is the session check.
+#     STEPS="tests notebooks writes" bash benchmarks/gpu.sh             (one H200)
+#     STEPS="sharding scaleout" bash benchmarks/gpu.sh                  (nvidia-h200-x2)
+# STEPS: the steps to run, in order; the default "tests notebooks writes" is the check of a change:
+# the suite compiled, the notebooks and the write table.
 # The steps, each with its time-limit variable in seconds and that limit's default:
 #   tests         T_S=200   the whole suite compiled (pytest -n $XDIST on tests/ but sharding, notebooks, large cache)
 #   writes-tests  TD_S=120  tests/test_write_kernels.py compiled
 #   notebooks     N_S=100   the notebooks' code cells (tests/scripts/run_notebook_cells.py)
-#   writes        TW_S=120  benchmarks/trace_writes.py: issue 3's table of the write kernels' device times
-#   decode-probe  P_S=150   benchmarks/probe_compress.py --decode: the decode update under A/B probes
-#   compress-probe CP_S=150 benchmarks/probe_compress.py: the compression kernel under A/B probes
+#   writes        TW_S=120  benchmarks/trace_writes.py: the write kernels' device times against XLA
+#   writes-triton TT_S=200  benchmarks/bench_writes.py: Pallas, Triton and XLA writes, chained (needs .whl)
 #   large-cache   L_S=90    tests/test_triton.py::test_triton_large_cache alone (3 and 9 GiB Triton caches)
-#   ncu           NCU_S=150 Nsight Compute on the write kernels: SASS opcode mix, issue / occupancy / stall metrics
-#   pipes         PIPES_S=150  Nsight Compute's per-pipe counts of the compression and decode-update kernels
-#   floor         PD_S=80   the decode probe beside empty kernels of its grids and a "no pool arithmetic" stand-in
+#   ncu           NCU_S=150 Nsight Compute per case: SASS opcode mix, issue / occupancy / stall metrics
 #   shapes        SHAPES_S=300  benchmarks/trace_writes.py with launch-shape variants, each byte-checked
-#   read          TR_S=200 PL_S=100 RP_S=400  trace_read.py, probe_logits.py at 4 rows, bench_read.py prefill
+#   read          TR_S=200 RP_S=400  trace_read.py (decode B = 64 x 128k, top-k), bench_read.py prefill
+#   read-sweep    RS_S=300  benchmarks/bench_read.py --sweep: launch shapes of paged_logits and the top-k
 #   step-profile  PS_S=100  benchmarks/profile_step.py: a serving step's device time kernel by kernel
-#   olprobe       OL_S=300  benchmarks/probe_ordered_linear.py: launch shapes of the ordered contraction kernels
+#   sharding      SH_S=240  tests/test_sharding.py on the machine's GPUs (2 or more; the 4-device cases need 4)
+#   scaleout      SO_S=210 DS_S=120  bench_scaleout.py (1 vs N GPUs), then device_step.py (the step program alone)
 # Knobs [defaults] and logs under $OUT, per step:
 #   tests: XDIST [12] -> pytest_all.log. writes-tests -> pytest_writes.log. large-cache -> pytest_large.log.
 #   notebooks: NOTEBOOKS [all] -> notebooks.txt. writes: WRITES_ARGS (more trace_writes.py flags) -> writes.txt.
-#   decode-probe: PROBES [exact], BATCHES [256 64 1], NEXT_N [1 2 4], REPEAT [2] -> decode-probe.txt.
-#   compress-probe: CPROBES [exact], CTOKENS [32768 131072], CSHAPES [4x2] (tile x warps, ","), REPEAT [2]
-#     -> compress-probe.txt.
-#   ncu (per case in CASES [compress decode1 decode4]; decode1 / decode4: B = 256, next_n 1 / 4; decode4b1: B = 1,
-#     next_n 4; compress: TOKENS [131072] tokens, COMPRESS_SHAPE [dx2] tile x warps, d = the default tile):
-#     SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*. pipes (compression 4 x 2 at 128k tokens, decode
-#     B = 256, next_n 1) -> pipes_*. floor: FLOOR_PROBES [exact,no pool arithmetic] -> floor.txt.
+#   writes-triton: WRITES_IMPLS [pallas,triton,xla] -> writes-triton.txt.
+#   ncu: CASES [compress decode1 decode4]: compress (TOKENS [131072] tokens), decode1 / decode4 (B = 256,
+#     next_n 1 / 4), decode4b1 (B = 1, next_n 4), select (decode select_tokens, B = 64 x 128k), topk
+#     ([64, 131072], k = 512); SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*.
 #   shapes: DECODE_VARIANTS [forward:1 forward:2 forward:8] (program:warps), COMPRESS_SHAPES [2x4 4x2 4x8 8x4 8x8]
 #     (tile x warps); " " for none -> shapes.*. read: TRACE_READ_ARGS, PREFILLS [32768 131072] -> read_*.
+#   read-sweep: SWEEP_ONLY [logits topk] -> read-sweep.txt.
 #   step-profile: PROFILE_WAYS [shipped:], one run per NAME:FLAGS word, flags joined by "," (an A/B:
 #     "gathered:--gather-attention shipped:") -> step-profile_*.
-#   olprobe: OL_SHAPES (shape names joined by ","), OL_VARIANTS (unroll:tile:warps, ",") -> olprobe.txt.
+#   sharding: SHARDING_K ["not 4"] (pytest -k) -> pytest_sharding.log.
+#   scaleout: SCALEOUT_ARGS (more bench_scaleout.py flags) -> scaleout.txt, device-step.txt.
 # Every log ends "rc=N" (124: cut by its limit), and each step prints a short summary. Keep the sum of
 # the chosen steps' limits under the device call's 600 s. The last lines: "step NAME: rc=N" per step,
 # then "GPU RUN: passed" (every rc 0) or "GPU RUN: failed". The device tool brings back 8 files: past
 # 7, every log is packed into $OUT/a_logs.tgz, and only the archive, the pytest logs, writes.txt and
-# notebooks.txt stay beside it. Sharding and scale-out: bash benchmarks/gpu_session.sh on nvidia-h200-x2.
-ALL_STEPS="tests writes-tests notebooks writes decode-probe compress-probe large-cache ncu pipes floor shapes read"
-ALL_STEPS+=" step-profile olprobe"
+# notebooks.txt stay beside it.
+ALL_STEPS="tests writes-tests notebooks writes writes-triton large-cache ncu shapes read read-sweep"
+ALL_STEPS+=" step-profile sharding scaleout"
 STEPS=${STEPS:-tests notebooks writes}
 
 # timed LIMIT LOG CMD...: CMD under `timeout LIMIT`, its output to $OUT/LOG with "rc=N" appended; returns N
@@ -74,15 +74,9 @@ step_writes() {
   timed "${TW_S:-120}" writes.txt python3 benchmarks/trace_writes.py ${WRITES_ARGS:-}
   local rc=$?; quiet_tail writes.txt 30; return $rc
 }
-step_decode_probe() {
-  timed "${P_S:-150}" decode-probe.txt python3 benchmarks/probe_compress.py --decode --batches ${BATCHES:-256 64 1} \
-    --next-n ${NEXT_N:-1 2 4} --probes "${PROBES:-exact}" --repeat "${REPEAT:-2}"
-  local rc=$?; quiet_tail decode-probe.txt 40; return $rc
-}
-step_compress_probe() {
-  timed "${CP_S:-150}" compress-probe.txt python3 benchmarks/probe_compress.py --tokens ${CTOKENS:-32768 131072} \
-    --shapes "${CSHAPES:-4x2}" --probes "${CPROBES:-exact}" --repeat "${REPEAT:-2}"
-  local rc=$?; quiet_tail compress-probe.txt 30; return $rc
+step_writes_triton() {
+  timed "${TT_S:-200}" writes-triton.txt python3 benchmarks/bench_writes.py --impls "${WRITES_IMPLS:-pallas,triton,xla}"
+  local rc=$?; quiet_tail writes-triton.txt 30; return $rc
 }
 step_large_cache() {
   timed "${L_S:-90}" pytest_large.log python3 -m pytest -v -p no:cacheprovider -rfE \
@@ -102,15 +96,17 @@ step_ncu() {
   M+=,lts__t_bytes.sum,sm__cycles_elapsed.max,smsp__cycles_active.max
   for CASE in ${CASES:-compress decode1 decode4}; do
     case $CASE in
-      compress) ARGS="--profile --tokens ${TOKENS:-131072} --shapes ${COMPRESS_SHAPE:-dx2} --probes exact" ;;
-      decode1) ARGS="--decode --profile --batches 256 --next-n 1 --probes exact" ;;
-      decode4) ARGS="--decode --profile --batches 256 --next-n 4 --probes exact" ;;
-      decode4b1) ARGS="--decode --profile --batches 1 --next-n 4 --probes exact" ;;
-      *) echo "ncu: unknown case $CASE (compress decode1 decode4 decode4b1)"; rc=2; continue ;;
+      compress) ARGS="benchmarks/trace_writes.py --profile compress:${TOKENS:-131072}" ;;
+      decode1) ARGS="benchmarks/trace_writes.py --profile decode:256:1" ;;
+      decode4) ARGS="benchmarks/trace_writes.py --profile decode:256:4" ;;
+      decode4b1) ARGS="benchmarks/trace_writes.py --profile decode:1:4" ;;
+      select) ARGS="benchmarks/trace_read.py --profile --skip-topk --batches 64 --contexts 131072" ;;
+      topk) ARGS="benchmarks/trace_read.py --profile --skip-decode" ;;
+      *) echo "ncu: unknown case $CASE (compress decode1 decode4 decode4b1 select topk)"; rc=2; continue ;;
     esac
     timed "${NCU_S:-150}" "ncu_$CASE.log" "$NCU" --profile-from-start off --cache-control none \
       --clock-control none --kernel-name regex:kpool --section SourceCounters --metrics "$M" -f -o "/tmp/ncu_$CASE" \
-      env PYTHONPATH="$PYTHONPATH" python3 benchmarks/probe_compress.py $ARGS || rc=$?
+      env PYTHONPATH="$PYTHONPATH" python3 $ARGS || rc=$?
     grep -E "profiled|rc=|ERR" "$OUT/ncu_$CASE.log" | tail -3
     "$NCU" --import "/tmp/ncu_$CASE.ncu-rep" --page source --print-source sass --csv > "/tmp/sass_$CASE.csv" 2>&1
     python3 benchmarks/_sass_summary.py "/tmp/sass_$CASE.csv" > "$OUT/ncu_sass_$CASE.txt" 2>&1
@@ -132,41 +128,6 @@ PY
   done
   return $rc
 }
-step_pipes() {
-  local NCU CASE ARGS rc=0
-  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for CASE in compress decode1; do
-    case $CASE in
-      compress) ARGS="--profile --tokens 131072 --shapes dx2 --probes exact" ;;
-      decode1) ARGS="--decode --profile --batches 256 --next-n 1 --probes exact" ;;
-    esac
-    timed "${PIPES_S:-150}" "pipes_$CASE.log" "$NCU" --profile-from-start off --cache-control none \
-      --clock-control none --kernel-name regex:kpool --section ComputeWorkloadAnalysis --section InstructionStats \
-      --section SchedulerStats --section WarpStateStats -f -o "/tmp/pipes_$CASE" \
-      env PYTHONPATH="$PYTHONPATH" python3 benchmarks/probe_compress.py $ARGS || rc=$?
-    grep -E "profiled|rc=|ERR" "$OUT/pipes_$CASE.log" | tail -3
-    "$NCU" --import "/tmp/pipes_$CASE.ncu-rep" --page raw --csv > "/tmp/pipes_$CASE.csv" 2>&1
-    python3 - "/tmp/pipes_$CASE.csv" > "$OUT/pipes_$CASE.txt" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
-hdr, units = rows[0], rows[1]
-for r in rows[2:]:
-    print("--- " + r[hdr.index("Kernel Name")][:60])
-    for i, h in enumerate(hdr):
-        if ("pipe" in h or "inst_executed.sum" in h or "issue_active" in h
-                or "warps_issue_stalled" in h and "pct" not in h):
-            print(f"  {h:<100}{r[i]:>16} {units[i]}")
-PY
-    grep -E "pipe_(alu|fma|fmaheavy|fmalite|xu|lsu|adu|cbu|uniform)[a-z_]*\.(sum|avg\.pct)" "$OUT/pipes_$CASE.txt" \
-      | head -40
-  done
-  return $rc
-}
-step_floor() {
-  timed "${PD_S:-80}" floor.txt python3 benchmarks/probe_compress.py --decode \
-    --probes "${FLOOR_PROBES:-exact,no pool arithmetic}"
-  local rc=$?; quiet_tail floor.txt 16; return $rc
-}
 step_shapes() {
   timed "${SHAPES_S:-300}" shapes.txt python3 benchmarks/trace_writes.py \
     --decode-variants ${DECODE_VARIANTS:-forward:1 forward:2 forward:8} \
@@ -177,14 +138,15 @@ step_read() {
   local rc=0
   timed "${TR_S:-200}" read_trace.txt python3 benchmarks/trace_read.py ${TRACE_READ_ARGS:-} || rc=$?
   quiet_tail read_trace.txt 14
-  # paged_logits at prefill-sized dots (4 rows x 32 heads: the unfused prefill path), fp8 against f16
-  timed "${PL_S:-100}" read_logits.txt python3 benchmarks/probe_logits.py --rows 4 --context 32768 \
-    --variants 4:1:4:b,4:1:4:b:f16,2:1:4:b:f16 || rc=$?
-  quiet_tail read_logits.txt 8
   timed "${RP_S:-400}" read_prefill.txt python3 benchmarks/bench_read.py --skip-decode --skip-topk \
     --prefills ${PREFILLS:-32768 131072} || rc=$?
   quiet_tail read_prefill.txt 16
   return $rc
+}
+step_read_sweep() {
+  timed "${RS_S:-300}" read-sweep.txt python3 benchmarks/bench_read.py --skip-prefill --skip-topk --batches 64 \
+    --contexts 131072 --sweep --sweep-only ${SWEEP_ONLY:-logits topk}
+  local rc=$?; quiet_tail read-sweep.txt 30; return $rc
 }
 step_step_profile() {
   local v name args rc=0
@@ -196,12 +158,19 @@ step_step_profile() {
   done
   return $rc
 }
-step_olprobe() {
-  local args=()             # shape names hold spaces ("rows p.v"), so each flag's value stays one word
-  [ -n "${OL_SHAPES:-}" ] && args+=(--shapes "$OL_SHAPES")
-  [ -n "${OL_VARIANTS:-}" ] && args+=(--variants "$OL_VARIANTS")
-  timed "${OL_S:-300}" olprobe.txt python3 benchmarks/probe_ordered_linear.py "${args[@]}"
-  local rc=$?; quiet_tail olprobe.txt 40; return $rc
+step_sharding() {
+  timed "${SH_S:-240}" pytest_sharding.log python3 -m pytest -v -p no:cacheprovider -rfE \
+    -k "${SHARDING_K:-not 4}" tests/test_sharding.py
+  local rc=$?; pytest_summary pytest_sharding.log 8; return $rc
+}
+step_scaleout() {
+  local rc=0
+  timed "${SO_S:-210}" scaleout.txt python3 benchmarks/bench_scaleout.py --json "$OUT/scaleout.json" \
+    ${SCALEOUT_ARGS:-} || rc=$?
+  quiet_tail scaleout.txt 16
+  timed "${DS_S:-120}" device-step.txt python3 benchmarks/device_step.py || rc=$?
+  quiet_tail device-step.txt 8
+  return $rc
 }
 
 for s in $STEPS; do

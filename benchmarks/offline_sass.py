@@ -9,24 +9,24 @@ IR without a GPU, for sm_90 when none is present), captures the Triton IR of eve
 Pallas kernel in it, compiles that IR with triton 3.6.0 for sm_90 at the kernel's
 own num_warps / num_stages, and disassembles the cubin (cuobjdump, shipped in
 triton's wheel). It prints, per kernel: registers, local memory (spills), static
-SASS instructions, the most frequent opcodes, and the length of each loop body. Static counts are per kernel
-body, not per launch; session 9 found them to track Nsight Compute's executed
-counts when compared between variants of one kernel.
+SASS instructions, the most frequent opcodes, and the length of each loop body.
+Static counts are per kernel body, not per launch; between variants of one read-path
+kernel they track Nsight Compute's executed counts on the H200.
 
 Cases: ``cases()`` below (the top-k stages at [64, 131072], the run maxima of a
 decode row, and the decode logits shape). ``--out`` keeps the .ttir, .sass and a
 summary per kernel.
 
 Limits: the pip triton is not the Triton inside jaxlib, so registers and code can
-differ somewhat from the H200's (session 10: select 74 registers in both, floor 80
+differ somewhat from the H200's (the select takes 74 registers in both, the floor 80
 here against 99 there), and a kernel may fail to compile here that compiles there
 (the filter kernel: triton 3.6.0's scan lowering asserts on its 8-warp cumsum).
-Compare variants of one kernel with each other, not with ncu. Session 12: for the
-write kernels the pip triton keeps the tensors after the Hadamard replicated across
-a program's threads (ttgir: linear layouts with no lane or warp bits), 8,512 static
-instructions per warp for compression's 8 x 4 shape, while Nsight Compute counted
-3,594 executed per warp on the H200 (session 11, run 8) for the same straight-line
-kernel: the H200's Triton lays it out differently, so these counts say nothing there.
+Compare variants of one kernel with each other, not with ncu. For the write kernels
+the pip triton keeps the tensors after the Hadamard replicated across a program's
+threads (ttgir: linear layouts with no lane or warp bits), 8,512 static instructions
+per warp for compression's 8 x 4 shape, where Nsight Compute counts 3,594 executed per
+warp on the H200 for the same straight-line kernel: the H200's Triton lays it out
+differently, so these counts say nothing there.
 """
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ def capture(fn, *args):
     """[(name, num_warps, num_stages, ttir text)] of the Pallas kernels in fn(*args), lowered for CUDA.
 
     Each Triton module is run through MLIR's verifier here (it raises on an invalid one),
-    the check the GPU's Triton compile starts with: session 21's rows kernel lowered on the
-    CPU but had an scf.for whose bounds had two types (a select of int literals typed i1),
-    which only the H200 reported."""
+    the check the GPU's Triton compile starts with: a kernel can lower on the CPU with an
+    scf.for whose bounds have two types (a select of int literals typed i1), which only the
+    GPU would otherwise report."""
     from jax._src.pallas.triton import pallas_call_registration as reg
     found = []
     orig = reg.lowering.lower_jaxpr_to_triton_module

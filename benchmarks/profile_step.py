@@ -2,10 +2,11 @@
 
 Usage (GPU machine):
     PYTHONPATH=$PWD python benchmarks/profile_step.py [--calls 10] [--top 25] [--json out.json]
-        [--gather-attention [--shift-unpack]] [--word-gather] [--session19-contractions]
-    (each flag puts back an earlier form of the step, for an A/B in one run: see --help)
+        [--gather-attention] [--word-gather] [--contraction-shape UNROLL:TILE_COLS]
+    (each flag swaps one part of the step for another form with the same bits, for an A/B
+    in one run: see --help)
 
-Serves bench_scaleout's GPU workload on one device (step_heads.capture: the decode-only
+Serves bench_scaleout's GPU workload on one device (device_step.capture: the decode-only
 step with the most decode rows and the step with the most tokens), then replays each
 kept step ``--calls`` times, each call queued behind a busy kernel and waited for, under
 ``jax.profiler.trace``. Reported per step: the span (first kernel's start to last
@@ -40,8 +41,7 @@ from glm5_jax.serving import sharding
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import trace_read as tr  # noqa: E402
 from bench_scaleout import GPU_OVERRIDES  # noqa: E402
-from device_step import workload_engine  # noqa: E402
-from step_heads import capture  # noqa: E402
+from device_step import capture, workload_engine  # noqa: E402
 
 
 # kernel name prefixes reported as groups: the indexer's Pallas kernels (kpool_*: writes,
@@ -90,43 +90,31 @@ def profile(f, calls: int):
     return tr.group_calls(tr.device_events(paths[0]))
 
 
-def _shift_unpack_bf16(w):
-    """model._unpack_bf16 before session 21 (the same bits as its bitcast): [..., n] u32 ->
-    [..., 2n] bf16 by a shift, a mask and a stack."""
-    import jax.numpy as jnp
-    from jax import lax
-    h = jnp.stack([w & 0xFFFF, w >> 16], axis=-1).astype(jnp.uint16).reshape(w.shape[:-1] + (-1,))
-    return lax.bitcast_convert_type(h, jnp.bfloat16)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--warm-steps", type=int, default=60)
     ap.add_argument("--json")
-    ap.add_argument("--session19-contractions", action="store_true",
-                    help="the ordered contraction kernel's launch defaults before session 20 "
-                         "(unroll 4, 64-wide tiles for the attention's scores), for an A/B")
+    ap.add_argument("--contraction-shape", metavar="UNROLL:TILE_COLS",
+                    help="the ordered contraction kernel's compiled unroll and its tile width for the "
+                         "transposed operand (the attention's scores) instead of ordered_linear.UNROLL and "
+                         "TILE_COLS_TRANSPOSED, e.g. 4:64, for an A/B")
     ap.add_argument("--word-gather", action="store_true",
-                    help="the attention's K/V gathered word by word, as before session 20, for an A/B")
-    ap.add_argument("--shift-unpack", action="store_true",
-                    help="with --gather-attention: the gathered words unpacked by shifts and a stack, as "
-                         "before session 21, instead of the bitcast, for an A/B")
+                    help="the attention on K/V gathered word by word (gather_kv(by_rows=False)), for an A/B")
     ap.add_argument("--gather-attention", action="store_true",
-                    help="the attention on a gathered K/V copy (gather_kv), as before session 21, "
-                         "instead of the contraction kernels reading the cache's rows, for an A/B")
+                    help="the attention on a gathered K/V copy (gather_kv) instead of the contraction "
+                         "kernels reading the cache's rows, for an A/B")
     a = ap.parse_args(argv)
-    if a.session19_contractions:                 # set before anything is traced
+    if a.contraction_shape:                      # set before anything is traced
         import pallas_kernels.contractions.ordered_linear as ol
-        ol.UNROLL, ol.TILE_COLS_TRANSPOSED = 4, 64
+        try:
+            ol.UNROLL, ol.TILE_COLS_TRANSPOSED = (int(v) for v in a.contraction_shape.split(":"))
+        except ValueError:
+            ap.error(f"--contraction-shape: expected UNROLL:TILE_COLS, got {a.contraction_shape!r}")
     if a.word_gather or a.gather_attention:
         from glm5_jax.model import decoder as model_mod
         model_mod.ATTENTION_FROM_ROWS = False
-    if a.shift_unpack:
-        if not a.gather_attention:
-            ap.error("--shift-unpack needs --gather-attention")
-        model_mod._unpack_bf16 = _shift_unpack_bf16
     if a.word_gather:
         import functools
         model_mod.gather_kv = functools.partial(model_mod.gather_kv, by_rows=False)
@@ -134,10 +122,10 @@ def main(argv=None) -> int:
     model = Decoder.random(w.model_config, seed=w.seed)
     eng = workload_engine(w, model, simulate.plan_num_blocks(w, model))
     print(f"profile_step: {jax.default_backend()} {jax.devices()[0].device_kind}, implementation "
-          f"{eng.implementation}{', session-19 contraction launches' if a.session19_contractions else ''}"
+          f"{eng.implementation}"
+          f"{f', contraction unroll:tile {a.contraction_shape}' if a.contraction_shape else ''}"
           f"{', K/V gathered by words' if a.word_gather else ''}"
-          f"{', attention on gathered K/V' if a.gather_attention and not a.word_gather else ''}"
-          f"{' unpacked by shifts' if a.shift_unpack else ''}",
+          f"{', attention on gathered K/V' if a.gather_attention and not a.word_gather else ''}",
           flush=True)
     out = {}
     for kind, (plans, shape, cache_row) in capture(eng, a.warm_steps).items():

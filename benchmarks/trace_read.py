@@ -1,11 +1,12 @@
 """Device time of one read-path call, read from a profiler trace: no timing harness inside.
 
 Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 20] [--batches 64]
-                      [--contexts 131072] [--xla] [--topk-cols 131072] [--skip-topk]
+                      [--contexts 131072] [--xla] [--topk-cols 131072] [--skip-topk] [--skip-decode]
+                      [--profile]
 
 bench_read.py times calls chained in one jit, each made to depend on the last by a
 small perturbation of its inputs. Those perturbations are kernels too: its
-"harness only" row costs ~7 us per call on the H200 (session 10), inside every
+"harness only" row costs ~7 us per call on the H200, inside every
 chained number. Here each call is its own jit execution, queued right behind a
 long one-program "busy" kernel (``BUSY_ITERS`` dependent multiply-adds, a few
 hundred us), so all of the call's kernels are on the stream before the GPU reaches
@@ -25,6 +26,11 @@ to read the scores once (an XLA max, traced the same way), and, where PyTorch
 with CUDA is importable (the H200 image has it), torch.topk on the same scores
 timed with CUDA events over 50 back-to-back calls (its launches queued ahead the
 same way; no profiler).
+
+--profile traces nothing: one call of each case's Pallas path (the decode
+select_tokens, then topk_pools) runs between cudaProfilerStart and
+cudaProfilerStop after a warm-up call, for ``ncu --profile-from-start off``
+(benchmarks/gpu.sh, step ncu): its kernels in launch order.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ from jax.experimental import pallas as pl
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_read as br  # noqa: E402
-from _timing import copy_bandwidth  # noqa: E402
+from _timing import copy_bandwidth, profile_calls  # noqa: E402
 from glm5_jax import ops  # noqa: E402
 from glm5_jax.config import IndexerConfig  # noqa: E402
 
@@ -171,15 +177,21 @@ def main(argv=None):
     ap.add_argument("--topk-rows", type=int, default=64)
     ap.add_argument("--topk-cols", type=int, default=131072)
     ap.add_argument("--skip-topk", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="no trace: one call of each case inside the CUDA profiler's window, for ncu "
+                         "--profile-from-start off")
     a = ap.parse_args(argv)
     cfg = IndexerConfig()
+    if a.profile:
+        return profile(cfg, a)
     bw = copy_bandwidth()
     busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
     print(f"copy bandwidth measured now: {bw / 1e12:.3f} TB/s; {a.calls} calls per row, each behind a busy kernel")
     rows = []
 
-    for batch in a.batches:
+    for batch in ([] if a.skip_decode else a.batches):
         for ctx_tokens in a.contexts:
             layout, cache, table, key, heads = br.read_case(cfg, batch, ctx_tokens)
             q8, w = br.queries(key, batch, 1, heads)
@@ -217,6 +229,27 @@ def main(argv=None):
         rows.append((f"topk [{a.topk_rows}, {n}] k={k}", name, s,
                      f"{base / s['span_us']:.2f}x lax.top_k{vs_torch}, {s['span_us'] / once:.2f}x one read"))
     print_rows(rows)
+
+
+def profile(cfg, a):
+    """One call of each decode case's default select_tokens and of topk_pools (unless
+    skipped) inside the CUDA profiler's window (``_timing.profile_calls``)."""
+    calls = []
+    for batch in ([] if a.skip_decode else a.batches):
+        for ctx_tokens in a.contexts:
+            layout, cache, table, key, heads = br.read_case(cfg, batch, ctx_tokens)
+            q8, w = br.queries(key, batch, 1, heads)
+            pos = jnp.full((batch, 1), ctx_tokens - 1, jnp.int32)
+            f = jax.jit(br.selectors(layout, False)["pallas unfused"])
+            calls.append((f"select_tokens B={batch} ctx={ctx_tokens}",
+                          lambda f=f, args=(cache, q8, w, table, pos): f(*args)))
+    if not a.skip_topk:
+        n, k = a.topk_cols, cfg.topk_pools
+        x = jax.random.normal(jax.random.PRNGKey(7), (a.topk_rows, n), jnp.float32)
+        lengths = jnp.full((a.topk_rows,), n, jnp.int32)
+        f = jax.jit(lambda x, l: ops.topk_pools(x, l, k, implementation="pallas"))
+        calls.append((f"topk_pools [{a.topk_rows}, {n}] k={k}", lambda: f(x, lengths)))
+    return profile_calls(calls)
 
 
 def print_rows(rows):

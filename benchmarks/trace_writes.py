@@ -2,12 +2,13 @@
 
 Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_writes.py [--calls 30] [--quick]
                       [--decode-variants walk:4 forward:2] [--compress-shapes 8x4 2x4] [--json out.json]
+                      [--profile compress:131072 decode:256:1 ...]
 
 bench_writes.py times chains of calls in one jit: the chain's dispatch is shared by
 its calls (1/10 of ~50 us per compression call), and its spread between runs is
-larger than the latency-bound kernels' differences (session 11: the same
-compression kernel measured 44.6 us chained at 4k tokens against 20.1 us a session
-earlier). Here, as in trace_read.py, each call is its own jit execution with the
+larger than the latency-bound kernels' differences (the same compression kernel at
+4k tokens has measured 20.1 and 44.6 us chained on the same H200). Here, as in
+trace_read.py, each call is its own jit execution with the
 cache donated, queued behind a one-program busy kernel, and its device span (first
 kernel's start to last kernel's end) is read from a jax profiler trace.
 
@@ -23,6 +24,12 @@ batches of 4k, 32k and 128k tokens over 64 requests. --decode-variants (program
 "forward" or "walk" x num_warps) and --compress-shapes (tile_pools x num_warps) add
 variants of the Pallas kernels, each checked byte for byte against the default's
 result first.
+
+--profile CASE ... traces nothing: it runs one call of the default Pallas kernel per
+case between cudaProfilerStart and cudaProfilerStop, after a warm-up call, for
+``ncu --profile-from-start off`` (benchmarks/gpu.sh, step ncu). A case is
+compress:TOKENS or seed:TOKENS (a prefill batch of 64 requests, as above) or
+decode:B:NEXT_N.
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_writes as bw  # noqa: E402
 import trace_read as tr  # noqa: E402
-from _timing import empty_launch_seconds, empty_launch_step  # noqa: E402
+from _timing import empty_launch_seconds, empty_launch_step, profile_calls, threaded  # noqa: E402
 from glm5_jax import ops  # noqa: E402
 
 COPY_BYTES = 1 << 30
@@ -76,6 +83,35 @@ def donated(step):
     return jax.jit(step, donate_argnums=0)
 
 
+def profile_case(rng, case: str):
+    """(name, call) of one --profile case: the default Pallas kernel's call on a fresh
+    cache, for ``_timing.profile_calls``."""
+    kind, *nums = case.split(":")
+    try:
+        nums = [int(n) for n in nums]
+    except ValueError:
+        nums = []
+    if kind == "decode" and len(nums) == 2:
+        layout, _, args = bw.decode_case(rng, *nums)
+        step = lambda c, *x: ops.decode_update(c, layout, 0, *x, implementation="pallas")      # noqa: E731
+        return f"decode_update B={nums[0]} next_n={nums[1]}", threaded(donated(step), layout.allocate(0), *args)
+    if kind in ("compress", "seed") and len(nums) == 1:
+        layout, sc, pre = bw.prefill_case(rng, nums[0], 64)
+        key, gate = jnp.asarray(pre["key"]), jnp.asarray(pre["gate"])
+        tokens = key.shape[0]
+        if kind == "compress":
+            step = lambda c, k, g, a, sl: ops.compress_prefill(c, layout, 0, k, g, a, sl,        # noqa: E731
+                                                               implementation="pallas")
+            args = (key, gate, jnp.asarray(sc.ape), jnp.asarray(pre["slot_mapping"]))
+        else:
+            ends = jnp.asarray(np.cumsum([tokens // 64] * 64).astype(np.int32))
+            step = lambda c, k, g, ts: ops.seed_tail(c, layout, 0, k, g, ts, request_ends_tokens=ends,  # noqa: E731
+                                                     implementation="pallas")
+            args = (key, gate, jnp.asarray(pre["tslot"]))
+        return f"{kind} {tokens} tokens / 64 requests", threaded(donated(step), layout.allocate(0), *args)
+    raise SystemExit(f"--profile: bad case {case!r} (compress:TOKENS, seed:TOKENS or decode:B:NEXT_N)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=30)
@@ -86,7 +122,14 @@ def main(argv=None):
     ap.add_argument("--compress-shapes", nargs="*", default=[],
                     help="extra tile_pools x num_warps variants of the Pallas compression, e.g. 8x4")
     ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument("--profile", nargs="+", metavar="CASE",
+                    help="no trace: one call of the default Pallas kernel per case inside the CUDA profiler's "
+                         "window, for ncu --profile-from-start off (compress:TOKENS, seed:TOKENS, decode:B:NEXT_N)")
     a = ap.parse_args(argv)
+    if a.profile:
+        rng = np.random.default_rng(0)
+        profile_calls([profile_case(rng, c) for c in a.profile])
+        return
     from pallas_kernels.writes.decode_update import decode_update as decode_kernel
     from pallas_kernels.writes.pool_compress import compress_prefill as compress_kernel
     busy = tr.busy_kernel(interpret=jax.default_backend() != "gpu")

@@ -161,7 +161,7 @@ def demo_main(argv: list[str]) -> int:
                    help="decode steps of one token per request (default 5)")
     p.add_argument("--fault", choices=FAULTS, default=None,
                    help="inject a historical bug on purpose to watch the check catch it "
-                        "(dense-tail-stride = spec bug B1); the demo then exits 1")
+                        "(dense-tail-stride = docs/semantics.md B1); the demo then exits 1")
     _add_geometry_args(p, block_size=128)
     args = p.parse_args(argv)
     if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:
@@ -275,8 +275,8 @@ def _delegate(module: str) -> Callable[[list], int]:
 COMMANDS: dict[str, Command] = {
     "layout": Command("print the memory plan of a cache layout", layout_main),
     "demo": Command("prefill + decode a few requests and account for every changed byte", demo_main),
-    "simulate": Command("serve the cached-prompt churn workload (spec 6.1) and probe the prompt's pages",
-                        _delegate("glm5_jax.simulate")),
+    "simulate": Command("serve the cached-prompt churn workload (docs/semantics.md 6.1) and probe the "
+                        "prompt's pages", _delegate("glm5_jax.simulate")),
 }
 
 

@@ -13,7 +13,7 @@ def next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerConfig:
-    """Model constants of the kpool indexer (spec section 0) plus derived geometry.
+    """Model constants of the kpool indexer (docs/semantics.md 0) plus derived geometry.
 
     Defaults are GLM-5.3-Flash's: head_dim 128, 32 indexer heads, pools of 4
     tokens, top-2048 tokens, manager blocks of 1152 tokens, no speculative tokens.

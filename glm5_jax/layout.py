@@ -1,7 +1,7 @@
 """CacheLayout: the ONE flat buffer holding every layer's attention, indexer and
 tail bytes, and the per-layer CacheStrides handed to kernels.
 
-Byte layout (little-endian; ARCHITECTURE.md):
+Byte layout (little-endian; docs/semantics.md 3.3, docs/design.md):
 
     [attention region: layer 0..L-1, each num_blocks * attn_block_bytes]   (absent when 0)
     [indexer region:   layer 0..L-1, each num_blocks * index_block_bytes]
@@ -93,7 +93,7 @@ class CacheLayout:
     def strides(self, layer: int, fault: str | None = None) -> CacheStrides:
         """The explicit stride metadata of one layer: the only thing kernels get.
 
-        fault="dense-tail-stride" reproduces the historical bug (spec B1) on purpose:
+        fault="dense-tail-stride" reproduces the historical bug (docs/semantics.md B1) on purpose:
         tail blocks addressed with the dense stride 2*ring*256 instead of the padded
         index_block_bytes. Only the corruption probe and its tests use it.
         """

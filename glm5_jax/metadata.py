@@ -2,7 +2,7 @@
 
 Units are in the names. Padding entries are -1 in every slot mapping and 0 in
 tables (block 0 is the null block). The unit rule that three historical bugs
-broke (spec 4.2, B9-B11): the page table's column unit, the page height used by
+broke (docs/semantics.md 4.2, B9-B11): the page table's column unit, the page height used by
 the slot mapper and the kernels' page height are all ``page_rows`` pool rows.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _pad(x, n):
 
 
 def compressed_slot_mapping(positions_tokens, request_index, page_table_pages_, config: IndexerConfig):
-    """Pool-granular slot of every token (spec 4.2): >= 0 only for pool-completing tokens.
+    """Pool-granular slot of every token (docs/semantics.md 4.2): >= 0 only for pool-completing tokens.
 
     slot = table[req, cpos // page_rows] * page_rows + cpos % page_rows with
     cpos = pos // kpool, for tokens with (pos + 1) % kpool == 0; -1 otherwise.
@@ -85,7 +85,7 @@ def compressed_slot_mapping(positions_tokens, request_index, page_table_pages_, 
 
 
 def tail_slot_mapping(positions_tokens, request_index, tail_blocks, config: IndexerConfig):
-    """Token-granular tail slot (spec 4.3): tail_block[req] * ring + pos % ring; -1 for padding."""
+    """Token-granular tail slot (docs/semantics.md 4.3): tail_block[req] * ring + pos % ring; -1 for padding."""
     pos = np.asarray(positions_tokens, dtype=np.int64)
     req = np.asarray(request_index, dtype=np.int64)
     tb = np.asarray(tail_blocks, dtype=np.int64)

@@ -171,7 +171,7 @@ def _strides(layout, layer, fault):
 
 def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, request_ends_tokens=None,
               implementation=None, interpret=None, fault=None):
-    """Seed each request's tail ring with its last kpool tokens of the batch (spec 5.3).
+    """Seed each request's tail ring with its last kpool tokens of the batch (docs/semantics.md 5.3).
 
     key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots (-1 = padding).
     request_ends_tokens: optional [N] int32, one past the last row of each request in the
@@ -199,7 +199,7 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
 
 def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, *,
                      implementation=None, interpret=None, fault=None):
-    """Compress every pool completed in a prefill slice and write it (spec 5.2).
+    """Compress every pool completed in a prefill slice and write it (docs/semantics.md 5.2).
 
     key, gate: [T, 128] bf16; ape: [kpool, 128] f32; slot_mapping: [T] int32 pool slots.
     """
@@ -219,7 +219,7 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
 
 def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, tslot,
                   positions, *, implementation=None, interpret=None, fault=None):
-    """Batched decode: stash each token in its ring, completing pools on the way (spec 5.4).
+    """Batched decode: stash each token in its ring, completing pools on the way (docs/semantics.md 5.4).
 
     key, gate: [B, n, 128] bf16; ape [kpool, 128] f32; slot_mapping, tslot, positions: [B, n] int32.
     Padding: position -1. Tokens of a request are taken in index order (= position order).
@@ -242,7 +242,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
 
 
 def fwht_quant(q, *, implementation=None, interpret=None):
-    """q: [rows, 128] bf16 -> (q8 [rows, 128] float8_e4m3fn, scale [rows] f32) (spec 2.3)."""
+    """q: [rows, 128] bf16 -> (q8 [rows, 128] float8_e4m3fn, scale [rows] f32) (docs/semantics.md 2.3)."""
     op = "fwht_quant"
     if q.ndim != 2 or q.shape[1] != 128:
         raise ValueError(f"{op}: q must be [rows, 128], got {tuple(q.shape)}")
@@ -251,7 +251,7 @@ def fwht_quant(q, *, implementation=None, interpret=None):
 
 
 # =================================================================================
-# Read path (spec 1.3, 2.3-2.5, 5.5-5.10): query preparation, paged logits, exact
+# Read path (docs/semantics.md 1.3, 2.3-2.5, 5.5-5.10): query preparation, paged logits, exact
 # top-k over pools, expansion to tokens, and the whole token selection.
 # =================================================================================
 _F32 = (jnp.float32,)
@@ -264,9 +264,8 @@ def default_read_path(rows_per_request: int) -> str:
     """select_tokens' path when none is given: "unfused" for decode-sized row counts,
     "fused" from FUSED_MIN_ROWS rows per request (prefill chunks). Measured on the
     H200 (docs/benchmarks.md): decode B = 64 x 128k, 1 row, unfused 160-163 us against
-    fused 423-428. Prefill of one request (session 11, run 2, before the fused
-    kernel's f16 / 2-page shape): 32k tokens fused 21.0 ms, unfused 24.6; 128k tokens
-    fused 216.8 ms, unfused 169.5. So at 128k the unfused path is faster, but it
+    fused 423-428. Prefill of one request: 32k tokens fused 20.0 ms, unfused 23.8;
+    128k tokens fused 194.3 ms, unfused 162.0. So at 128k the unfused path is faster, but it
     writes every chunk's logits to memory (512 MiB at a time) and reads them back;
     the fused path never writes logits, which is what a long prefill is asked to
     do, so prefill stays fused. Pass path="unfused" to trade that memory traffic
@@ -281,7 +280,7 @@ def padded_heads(n_heads: int) -> int:
 
 
 def fold_weights(weights, q_scale):
-    """w' = w * qs * 128**-0.5 * H**-0.5 (real H), zero-padded to padded_heads(H) (spec 2.3).
+    """w' = w * qs * 128**-0.5 * H**-0.5 (real H), zero-padded to padded_heads(H) (docs/semantics.md 2.3).
 
     weights, q_scale: [..., H] f32 -> [..., Hp] f32.
     """
@@ -300,7 +299,7 @@ def pad_heads(q8):
 
 
 def prepare_queries(q, weights, *, implementation=None, interpret=None):
-    """Query side of one indexer layer (spec 2.3, 5.1).
+    """Query side of one indexer layer (docs/semantics.md 2.3, 5.1).
 
     q: [..., H, 128] bf16; weights: [..., H] f32 (per-head weights, computed in f32).
     Returns (q8 [..., Hp, 128] float8_e4m3fn, w' [..., Hp] f32): every (token, head)
@@ -416,7 +415,7 @@ def _check_read_inputs(op, cache, layout, q8, weights, page_table_pages, per_row
 
 def paged_logits(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, context_pools, *,
                  implementation=None, interpret=None):
-    """Indexer logits over each request's own pages (spec 2.4, 5.7, 5.8).
+    """Indexer logits over each request's own pages (docs/semantics.md 2.4, 5.7, 5.8).
 
     q8: [B, n, H, 128] float8_e4m3fn; weights: [B, n, H] f32 with the q-scale and
     128**-0.5 * H**-0.5 folded (``prepare_queries``; heads other than 32 / 64 are
@@ -447,7 +446,7 @@ def _check_rows_and_count(op, name, x, shape_text, dtypes, per_row_name, per_row
 
 
 def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, splits=None):
-    """Exact, deterministic top-k pools per row (spec 2.5, 5.9).
+    """Exact, deterministic top-k pools per row (docs/semantics.md 2.5, 5.9).
 
     logits: [rows, n] f32; lengths: [rows] i32 (pools >= length are invalid).
     Returns [rows, k] i32: descending score, ties by ascending pool id, then -1 for
@@ -463,7 +462,7 @@ def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, 
 
 
 def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, interpret=None):
-    """Selected pools -> token indices, plus the incomplete-pool tail (spec 5.10).
+    """Selected pools -> token indices, plus the incomplete-pool tail (docs/semantics.md 5.10).
 
     pool_ids: [rows, k] i32 (-1 = empty); seq_lens_tokens: [rows] i32 (p + 1 for a
     query at position p, <= 0 for padding). Returns [rows, k*kpool + kpool - 1] i32.
@@ -478,7 +477,7 @@ def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, 
 def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, positions, *,
                   topk_tokens: int | None = None, short_context=None, implementation=None,
                   interpret=None, path: str | None = None, workspace_bytes: int | None = None):
-    """Token indices each query row attends to: the whole read path of one layer (spec 1.3).
+    """Token indices each query row attends to: the whole read path of one layer (docs/semantics.md 1.3).
 
     q8: [B, n, H, 128] float8_e4m3fn and weights: [B, n, H] f32 from
     ``prepare_queries`` (heads padded to 32 / 64 if not already); page_table_pages: [B, max_pages] i32; positions: [B, n] i32
@@ -490,7 +489,7 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     visible to a row at position p iff m < (p + 1) // kpool) expanded to their
     tokens in order of descending score (ties: lower pool id first), then the
     row's incomplete-pool tail tokens; -1 marks empty columns (all of a padding
-    row). Short-context path (spec 5.5): when every row's context p + 1 is <=
+    row). Short-context path (docs/semantics.md 5.5): when every row's context p + 1 is <=
     topk_tokens, scoring is skipped and row p holds 0, 1, ..., p, then -1 (the same
     token set). ``short_context`` forces (True/False) or auto-detects (None; on
     traced positions the choice is a lax.cond on the device).

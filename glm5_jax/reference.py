@@ -1,6 +1,6 @@
 """Golden reference: every op of the kpool indexer cache in plain jax.numpy.
 
-This is the spec, executable (spec sections 2, 3, 5.2-5.4). It is jit-able, runs
+This is docs/semantics.md executable (sections 2, 3, 5.2-5.4). It is jit-able, runs
 on any backend, and is the ``implementation="xla"`` of ``glm5_jax.ops``. The
 Pallas kernels must write identical bytes.
 
@@ -51,7 +51,7 @@ _compress_pool = jax.jit(nm.compress_pool)
 
 
 # ---------------------------------------------------------------------------------
-# tail seed (spec 5.3)
+# tail seed (docs/semantics.md 5.3)
 # ---------------------------------------------------------------------------------
 def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot):
     """key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots.
@@ -89,7 +89,7 @@ def _write_pools(view, s: CacheStrides, loc, q8, scale, mask):
 
 
 # ---------------------------------------------------------------------------------
-# prefill pool compression: the flat-token writer (spec 5.2)
+# prefill pool compression: the flat-token writer (docs/semantics.md 5.2)
 # ---------------------------------------------------------------------------------
 def compress_prefill_strides(cache, s: CacheStrides, key, gate, ape, slot_mapping):
     """key, gate: [T, 128] bf16; ape: [R, 128] f32; slot_mapping: [T] int32 pool slots.
@@ -112,7 +112,7 @@ def compress_prefill_strides(cache, s: CacheStrides, key, gate, ape, slot_mappin
 
 
 # ---------------------------------------------------------------------------------
-# batched decode update + pool completion (spec 5.4)
+# batched decode update + pool completion (docs/semantics.md 5.4)
 # ---------------------------------------------------------------------------------
 def decode_update_strides(cache, s: CacheStrides, key, gate, ape, slot_mapping, tslot, positions):
     """key, gate: [B, n, 128] bf16; ape [R, 128] f32; slot_mapping, tslot, positions: [B, n] int32.
@@ -169,7 +169,7 @@ def _decode_token(view, s: CacheStrides, key, gate, ape, loc, ts, pos):
 
 
 # ---------------------------------------------------------------------------------
-# query FWHT + fp8 (spec 2.3)
+# query FWHT + fp8 (docs/semantics.md 2.3)
 # ---------------------------------------------------------------------------------
 def fwht_quant(q):
     """q: [rows, 128] bf16 -> (q8 [rows, 128] float8_e4m3fn, scale [rows] f32)."""
@@ -177,7 +177,7 @@ def fwht_quant(q):
 
 
 # ---------------------------------------------------------------------------------
-# public signatures (ARCHITECTURE.md): layout + layer instead of strides
+# public signatures: layout + layer instead of strides
 # ---------------------------------------------------------------------------------
 def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot):
     return seed_tail_strides(cache, layout.strides(layer), key, gate, tslot)
@@ -193,7 +193,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
 
 
 # =================================================================================
-# READ PATH (spec 1.3, 2.3-2.5, 5.5-5.10): query weights, paged logits, top-k over
+# READ PATH (docs/semantics.md 1.3, 2.3-2.5, 5.5-5.10): query weights, paged logits, top-k over
 # pools, expansion to tokens, and the whole selection for a batch.
 # =================================================================================
 import numpy as _np
@@ -204,19 +204,19 @@ _INT32_MIN = -(2**31)
 
 
 def padded_heads(n_heads: int) -> int:
-    """Head count the logits kernels run with: 32 for H <= 32, else 64 (spec 2.3)."""
+    """Head count the logits kernels run with: 32 for H <= 32, else 64 (docs/semantics.md 2.3)."""
     if not isinstance(n_heads, int) or not 1 <= n_heads <= MAX_HEADS:
         raise ValueError(f"indexer heads must be an int in [1, {MAX_HEADS}], got {n_heads!r}")
     return 32 if n_heads <= 32 else 64
 
 
 def weight_fold_constant(n_heads: int):
-    """D**-1/2 * H**-1/2 in f32, with the REAL head count H (spec 2.3)."""
+    """D**-1/2 * H**-1/2 in f32, with the REAL head count H (docs/semantics.md 2.3)."""
     return _np.float32(128 ** -0.5 * n_heads ** -0.5)
 
 
 def fold_weights(weights, q_scale):
-    """w' = w * qs * (D**-1/2 H**-1/2) in f32, zero-padded along heads (spec 2.3).
+    """w' = w * qs * (D**-1/2 H**-1/2) in f32, zero-padded along heads (docs/semantics.md 2.3).
 
     weights, q_scale: [..., H] f32 (H = the real head count). Returns [..., Hp] f32
     with Hp = padded_heads(H); padded heads are exactly 0 and contribute nothing.
@@ -238,7 +238,7 @@ def prepare_queries(q, weights):
     """q [..., H, 128] bf16, weights [..., H] f32 -> (q8 [..., Hp, 128] e4m3fn, w' [..., Hp] f32).
 
     FWHT + fp8 per (token, head) row, the query scale folded into the weights,
-    heads zero-padded (spec 2.3, 5.1).
+    heads zero-padded (docs/semantics.md 2.3, 5.1).
     """
     lead, h = q.shape[:-2], q.shape[-2]
     q8, qs = fwht_quant(q.reshape(-1, 128))
@@ -275,16 +275,16 @@ def gather_pools(cache, s: CacheStrides, page_table_pages):
 
 
 def logits_from_pools(q8, weights, k8, kscale, page_ok, context_pools):
-    """logit[b, j, m] = sum_h w'[b,j,h] relu(dot(q8[b,j,h], k8[b,m]) * kscale[b,m]) (spec 2.4).
+    """logit[b, j, m] = sum_h w'[b,j,h] relu(dot(q8[b,j,h], k8[b,m]) * kscale[b,m]) (docs/semantics.md 2.4).
 
     -inf for m >= context_pools[b, j] and for pools on invalid pages.
     q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32; k8 [B, M, 128]; kscale [B, M].
     """
     # bf16 operands: every e4m3 value is exact in bf16, so the products are exact and
     # the dot accumulates in f32. An einsum of the fp8 arrays themselves runs on the
-    # H200's fp8 tensor cores with their reduced-precision accumulation: measured
-    # (session 5, tests/scripts/gpu_diag_s5.py) up to 1.6e-3 of a row's largest logit
-    # off the f64 golden scores, and different bits for each row count.
+    # H200's fp8 tensor cores with their reduced-precision accumulation: up to 1.6e-3 of
+    # a row's largest logit off the f64 golden scores, and different bits for each row
+    # count (tests/scripts/gpu_numerics_diag.py measures both).
     sc = jnp.einsum("bnhd,bmd->bnhm", q8.astype(jnp.bfloat16), k8.astype(jnp.bfloat16),
                     preferred_element_type=jnp.float32)
     sc = jnp.maximum(sc * kscale[:, None, None, :], 0.0)
@@ -295,7 +295,7 @@ def logits_from_pools(q8, weights, k8, kscale, page_ok, context_pools):
 
 
 def paged_logits_strides(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools):
-    """Decode (and prefill) logits over each request's own pages (spec 5.7, 5.8).
+    """Decode (and prefill) logits over each request's own pages (docs/semantics.md 5.7, 5.8).
 
     q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32 (q-scale folded);
     page_table_pages [B, max_pages] i32; context_pools [B, n] i32.
@@ -320,7 +320,7 @@ def order_key(x):
 
 
 def topk_pools(logits, lengths, k: int):
-    """Exact, deterministic top-k pools per row (spec 2.5, 5.9).
+    """Exact, deterministic top-k pools per row (docs/semantics.md 2.5, 5.9).
 
     logits [rows, n] f32; lengths [rows] i32: pools >= length are invalid.
     Returns [rows, k] i32 pool ids ordered by descending score, ties by ascending
@@ -339,14 +339,14 @@ def topk_pools(logits, lengths, k: int):
 
 
 def expand_pools(pool_ids, seq_lens_tokens, kpool: int):
-    """Pool ids -> token indices, then the row's incomplete-pool tail (spec 5.10).
+    """Pool ids -> token indices, then the row's incomplete-pool tail (docs/semantics.md 5.10).
 
     pool_ids [rows, k] i32; seq_lens_tokens [rows] i32 (= p + 1 for a query at
     position p; <= 0 for padding). Returns [rows, k*kpool + kpool - 1] i32:
     column g*kpool + o holds pool_ids[g]*kpool + o, then columns k*kpool + t hold
     tail token (seq_len // kpool)*kpool + t for t < seq_len % kpool; -1 elsewhere.
     A pool id < 0 or >= seq_len // kpool (not a complete pool of this row) is
-    rejected: -1 in all its columns (spec B13), never expanded.
+    rejected: -1 in all its columns (docs/semantics.md B13), never expanded.
     """
     r = kpool
     rows, k = pool_ids.shape
@@ -362,7 +362,7 @@ def expand_pools(pool_ids, seq_lens_tokens, kpool: int):
 
 
 def causal_fill(positions, width: int):
-    """Short-context path (spec 5.5): row at position p -> [0, 1, ..., p, -1, ...].
+    """Short-context path (docs/semantics.md 5.5): row at position p -> [0, 1, ..., p, -1, ...].
 
     positions [...] i32 (< 0 = padding: all -1). Returns [..., width] i32.
     """
@@ -381,7 +381,7 @@ def _is_concrete(x):
 
 
 def use_short_path(positions, topk_tokens: int, short_context):
-    """True/False (Python) when decidable now, else a traced bool (spec 5.5)."""
+    """True/False (Python) when decidable now, else a traced bool (docs/semantics.md 5.5)."""
     if short_context is not None:
         return bool(short_context)
     longest = jnp.max(seq_lens_from_positions(positions)) if positions.size else jnp.int32(0)
@@ -394,7 +394,8 @@ def branch_short(short, fill, sparse):
     """Run the short-context fill or the sparse path: a Python choice when `short`
     is known now, a lax.cond on the device otherwise (same output shape). On the
     H200 with jax 0.11.2 a conditional does not make the call wait for the device
-    (benchmarks/dispatch_sync.py, session 4)."""
+    (docs/benchmarks.md; ``glm5_jax.serving.sharding.host_waits`` finds the instructions
+    that would)."""
     if isinstance(short, bool):
         return fill() if short else sparse()
     return _lax.cond(short, fill, sparse)
@@ -439,7 +440,7 @@ def map_query_rows(fn, chunk: int, *arrays):
 
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,
                           topk_tokens: int, short_context=None, budget_bytes: int | None = None):
-    """The whole read path of one indexer layer for a batch (spec 1.3, Appendix C).
+    """The whole read path of one indexer layer for a batch (docs/semantics.md 1.3, appendix C).
 
     q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32 (folded); page_table_pages
     [B, max_pages] i32; positions [B, n] i32 (absolute token position of each query
@@ -447,7 +448,7 @@ def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages,
     token indices, rows in (b, j) order: the top topk_tokens/kpool pools expanded to
     tokens (descending score, ties by lower pool id), then the incomplete-pool tail;
     -1 marks empty columns. When every row's context is <= topk_tokens (short path,
-    spec 5.5) a row holds all causal tokens 0..p instead, then -1.
+    docs/semantics.md 5.5) a row holds all causal tokens 0..p instead, then -1.
     """
     r = s.kpool
     b, n = positions.shape

@@ -4,13 +4,12 @@
 drawn at random from 1..num_blocks-1), draws fresh random K / gate rows for every
 token, and builds the metadata of a prefill of the first ``prefill_tokens`` of
 each request and of decode steps for the rest. ``golden_pools`` computes every
-complete pool of a request straight from its token stream (Appendix C of the
-spec: no pages, no ring), which the paged cache must reproduce byte for byte.
+complete pool of a request straight from its token stream (docs/semantics.md,
+appendix C: no pages, no ring), which the paged cache must reproduce byte for byte.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,137 +38,6 @@ class Request:
     tail_block: int
     key: np.ndarray                   # [L, 128] bf16
     gate: np.ndarray                  # [L, 128] bf16
-
-
-# Sessions 8-12's exact-product forms of exp, the reciprocal and the pooled multiply-add
-# (replaced in session 13 by numerics' ``rounded`` forms, which give other bits): every
-# product that met an add was exact, from 12-bit halves of its operands. Kept for the
-# saved Triton FMA pools' golden bytes (the reciprocal, tests/test_numerics.py) and for
-# the same-run baseline of benchmarks/probe_compress.py ("session-12 numerics").
-def _exp_reduction_s8_s14(d, lookup=None):
-    """The argument reduction of sessions 8-14's exp: (r, k, T[k & 63]) of d clamped to
-    [-87, 88], with k from a float-to-int conversion (session 15 reads k from bits)."""
-    lookup = nm.exp_table_lookup if lookup is None else lookup
-    d = jnp.clip(d, -87.0, 88.0)
-    kf = jnp.floor(d * nm.EXP_SCALE)
-    r = ((d - kf * nm.EXP_L1) - kf * nm.EXP_L2) - kf * nm.EXP_L3
-    k = kf.astype(jnp.int32)
-    return r, k, lookup(k & (nm.EXP_TABLE_SIZE - 1))
-
-
-def session12_exp_f32(d, lookup=None):
-    """e**d as sessions 8-12 computed it: numerics.exp_f32's table and reduction, with
-    r**2, r**3/6 and T*q from exact 12 x 12-bit partial products."""
-    r, k, t = _exp_reduction_s8_s14(d, lookup)
-    rh, rl = nm._split12(r)
-    r2 = rh * rh + rh * (rl + rl)
-    r3 = nm._split12(r2)[0] * nm._split12(rh * nm.EXP_C6)[0]
-    q = r + (r2 * 0.5 + r3)
-    th, tl = nm._split12(t)
-    qh, ql = nm._split12(q)
-    e = t + ((th * qh + th * ql) + tl * qh)
-    return e * nm._f32((((k >> nm.EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))
-
-
-def session12_mac_bf16(c, k, e):
-    """c + k*e as sessions 8-12 computed it: k times e's two 12-bit halves, both exact."""
-    eh, el = nm._split12(e)
-    return (c + k * eh) + k * el
-
-
-def session12_recip_f32(b):
-    """1 / b as sessions 3-12 computed it: the bit-trick seed and 4 Newton steps y * (2 - b y)
-    with 2 - b y from ``numerics.mac``'s four exact partial products."""
-    y = nm._f32(np.uint32(0x7EF311C3) - nm._u32(b))
-    for _ in range(4):
-        y = y * nm.mac(jnp.float32(2.0), -b, y)
-    return y
-
-
-def session12_e4m3_bits(v):
-    """numerics.e4m3_bits as sessions 1-12 computed it, from integer bit operations (the same
-    bits for |v| <= 448)."""
-    u = nm._u32(v)
-    sign = (u >> 24) & np.uint32(0x80)
-    a = u & np.uint32(0x7FFFFFFF)
-    # normal range (|v| >= 2**-6): round the f32 mantissa to 3 bits, re-bias 127 -> 7
-    normal = ((a + (np.uint32(0x7FFFF) + ((a >> 20) & np.uint32(1)))) >> 20) - np.uint32((127 - 7) << 3)
-    # subnormal range: |v| * 2**9 in [0, 8), rounded to an integer, ties to even
-    t = jnp.abs(v) * 512.0
-    n = jnp.floor(t)
-    frac = t - n
-    ni = n.astype(jnp.int32)
-    up = (frac > 0.5) | ((frac == 0.5) & ((ni & 1) == 1))
-    sub = (ni + up.astype(jnp.int32)).astype(jnp.uint32)
-    code = jnp.where(a >= np.uint32(0x3C800000), normal, sub) | sign
-    return code.astype(jnp.uint8)
-
-
-# Sessions 1-7's exp (replaced in session 8 by numerics.exp_f32's table form): a
-# degree-9 Taylor polynomial of four-product ``mac`` steps after a ln 2 reduction.
-# Kept for what was made with it: the saved Triton FMA pools' golden bytes
-# (tests/test_numerics.py) and the same-run baseline of benchmarks/probe_compress.py.
-_S7_LN2_HI = 0.693145751953125                      # 16 bits: n * LN2_HI exact for |n| < 256
-_S7_LN2_LO = nm._short(0.6931471805599453 - _S7_LN2_HI)
-_S7_COEFFS = tuple(1.0 / math.factorial(k) for k in range(10))
-
-
-def session7_exp_f32(d, lookup=None):
-    """e**d as sessions 1-7 computed it (``lookup`` is ignored: no table)."""
-    d = jnp.clip(d, -87.0, 88.0)
-    n = jnp.floor(d * nm.LOG2E)
-    r = (d - n * _S7_LN2_HI) - n * _S7_LN2_LO
-    p = jnp.full_like(r, _S7_COEFFS[9])
-    for c in _S7_COEFFS[8::-1]:
-        p = nm.mac(jnp.float32(c), p, r)
-    return p * nm._f32(((n.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
-
-
-def session13_hadamard128(x):
-    """numerics.hadamard128 as sessions 1-13 computed it: constant-geometry stages, each
-    moving the pairs into a new order through a product with +-1 and a 2-element sum
-    (XLA's reduction starts from +0, so no output is -0). The same bits as the in-place
-    form since session 14 (tests/test_numerics.py); kept as that test's second
-    derivation and as the same-run baseline of benchmarks/probe_compress.py."""
-    lead = x.shape[:-1]
-    n = len(lead)
-    shape3 = lead + (2, 64, 2)
-    s_idx = jax.lax.broadcasted_iota(jnp.int32, shape3, n)
-    j_idx = jax.lax.broadcasted_iota(jnp.int32, shape3, n + 2)
-    sign = jnp.where((s_idx & j_idx) == 1, -1.0, 1.0).astype(jnp.float32)     # the 2x2 Hadamard
-    for _ in range(7):
-        x = jnp.sum(x.reshape(lead + (1, 64, 2)) * sign, axis=-1).reshape(lead + (nm.HEAD_DIM,))
-    return x
-
-
-# Sessions 13-14's forms of the pooling's exp and sum (replaced in session 15 by
-# ``numerics.exp_nonpositive_f32`` and a sum that starts from the first product; the
-# same bytes, tests/test_numerics.py): kept as those tests' second derivation and as
-# the same-run baseline of benchmarks/probe_compress.py ("session-14 pooling").
-def session14_exp_f32(d, lookup=None):
-    """numerics.exp_f32 as sessions 13-14 computed it: both clamps, k by a float-to-int
-    conversion, 2**(k >> 6) from k."""
-    r, k, t = _exp_reduction_s8_s14(d, lookup)
-    q = r * (1.0 + nm.rounded(r * (0.5 + nm.rounded(r * nm.EXP_C6))))
-    e = t + nm.rounded(t * q)
-    return e * nm._f32((((k >> nm.EXP_TABLE_BITS) + 127) << 23).astype(jnp.uint32))
-
-
-def session14_compress_pool(keys, gates, ape_rows, exp_lookup=None):
-    """numerics.compress_pool as sessions 13-14 computed it (session14_exp_f32, and the
-    pooled sum from 0 + k_0 e_0)."""
-    r = len(keys)
-    s = [gates[j].astype(jnp.float32) + ape_rows[j] for j in range(r)]
-    m = s[0]
-    for j in range(1, r):
-        m = jnp.maximum(m, s[j])
-    e = [session14_exp_f32(s[j] - m, exp_lookup) for j in range(r)]
-    den = e[0]
-    acc = nm.mac_bf16(jnp.zeros_like(e[0]), keys[0].astype(jnp.float32), e[0])
-    for j in range(1, r):
-        den = den + e[j]
-        acc = nm.mac_bf16(acc, keys[j].astype(jnp.float32), e[j])
-    return nm.rotate_quant(nm.round_bf16(acc * nm.recip_f32(den)))
 
 
 def random_rows(rng: np.random.Generator, n: int, scale: float = 1.0):

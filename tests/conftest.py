@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import secrets
 import shutil
@@ -9,8 +10,8 @@ import tempfile
 # XLA CPU flags for the test processes, set before jax starts its backend. The CPU tests
 # spend most of their time compiling (the interpret-mode kernels, the engine's step), and
 # XLA's legacy CPU emitters compile those programs faster than its fusion emitters, with
-# the same results: the suite took 545 s against 790 s in two workers (session 23, the
-# same tests passing both ways), the engine's step running no slower. Lower LLVM
+# the same results (measured: 545 against 790 s for the suite in two workers, the same
+# tests passing both ways, the engine's step running no slower). Lower LLVM
 # optimization levels compile faster still but run the engine's steps 2-10x slower.
 # test_write_bytes_do_not_depend_on_the_cpu_emitters holds the writes' bytes equal under both.
 # Set only where a probe process shows the backend is the CPU and this jax accepts the
@@ -47,8 +48,8 @@ ON_GPU = jax.default_backend() == "gpu"
 # On the CPU, one persistent compilation cache per test run, shared by the pytest-xdist
 # workers and the notebooks' kernels (they inherit the environment): tests in different
 # processes that compile the same program (the engine's step at the tests' shapes, the
-# interpret-mode kernels) compile it once. A clean-clone .ci/run took 708 s with it against
-# 803 s without (session 21). The controller process makes the directory before the
+# interpret-mode kernels) compile it once (measured: 708 s for a clean-clone CI run with
+# it against 803 s without). The controller process makes the directory before the
 # workers start (they find it in the environment) and removes it at exit; a
 # JAX_COMPILATION_CACHE_DIR set by the caller is used as it is. GPU runs keep no cache.
 if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -66,6 +67,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """Free JAX's trace and compile caches and collect once, before the process reports
+    the session finished.
+
+    By then a worker's heap holds a million or more objects, most of them cached jaxprs,
+    and a full collection of it takes over a second on the 2-core CI machine. pytest's
+    cleanup after the session runs five (to surface unraisable exceptions), and an
+    xdist worker runs them after it has told the controller it is done: when they take
+    longer than the 5 s execnet allows a terminating worker, execnet sends the worker a
+    SIGINT, and the KeyboardInterrupt lands in whatever runs then, typically hypothesis's
+    gc callback, where pytest reports it as a PytestUnraisableExceptionWarning. No test
+    runs after this hook, so nothing needs the caches any more; xdist reports the worker
+    finished only after every plain sessionfinish hook has run."""
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture

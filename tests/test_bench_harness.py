@@ -1,6 +1,7 @@
-"""The benchmark harnesses must time every chained call: XLA deletes calls whose
-output nobody reads and merges identical ones, which once made a harness time one
-call and divide by ten."""
+"""The benchmark tools: the harnesses must time every chained call (XLA deletes calls
+whose output nobody reads and merges identical ones, so a harness that lets it times
+one call and divides by ten), and the tools and gpu.sh's steps must still run against
+the shipped kernels."""
 import sys
 import pathlib
 
@@ -148,33 +149,120 @@ def test_write_byte_counts():
     assert bw.decode_bytes(256, 4, 256, 4) == 256 * 4 * (2 * 256 + 12 + 2 * 256) + 256 * (3 * 2 * 256 + 132)
 
 
-def test_every_write_probe_traces_against_the_shipped_kernels():
-    """benchmarks/probe_compress.py swaps functions of the write kernels for older or
-    cheaper forms by name. When a shipped function gains an argument, a stale probe
-    only fails on the GPU, in the middle of a device run (five did, sessions 17-23).
-    Trace each probe into the compression kernel and both decode programs' shapes
-    (next_n 1 and 4), abstractly: no compilation, about 15 s for all of them."""
+def test_write_variants_trace_against_the_shipped_kernels():
+    """trace_writes.py --decode-variants and --compress-shapes call the Pallas kernels with
+    launch-shape keywords (path, num_warps, tile_pools). When a kernel's signature changes,
+    a stale variant only fails on the GPU, in the middle of a device run. Trace each form
+    into both decode programs' shapes (next_n 1 and 4) and the compression, abstractly: no
+    compilation."""
     import numpy as np
     import bench_writes as bw
-    import probe_compress as pc
     from pallas_kernels.writes.decode_update import decode_update
     from pallas_kernels.writes.pool_compress import compress_prefill
     rng = np.random.default_rng()
+    failed = []
+    for nn in (1, 4):
+        lay, _, dargs = bw.decode_case(rng, 2, nn)
+        s = lay.strides(0)
+        for path in ("forward", "walk"):
+            for warps in (1, 2, 4, 8):
+                try:
+                    out = jax.eval_shape(lambda c, *x: decode_update(c, s, *x, num_warps=warps, path=path,
+                                                                     interpret=True), lay.allocate(0), *dargs)
+                    assert out.shape == (lay.total_words,), out.shape
+                except Exception as e:          # noqa: BLE001 - collect every stale form, then fail once
+                    failed.append(f"decode_update next_n={nn} {path}:{warps}: {type(e).__name__}: {e}"[:300])
     layout, sc, pre = bw.prefill_case(rng, 64, 2)
     s = layout.strides(0)
     cargs = tuple(jnp.asarray(a) for a in (pre["key"], pre["gate"], sc.ape, pre["slot_mapping"]))
-    cases = [(layout, s, compress_prefill, cargs)]
-    for nn in (1, 4):
-        lay, _, dargs = bw.decode_case(rng, 2, nn)
-        cases.append((lay, lay.strides(0), decode_update, dargs))
-    failed = []
-    for name, patch in pc.PROBES.items():
-        with pc.patched(patch):
-            for lay, strides, kernel, args in cases:
-                try:
-                    out = jax.eval_shape(lambda c, *x: kernel(c, strides, *x, interpret=True), lay.allocate(0), *args)
-                    assert out.shape == (lay.total_words,), out.shape
-                except Exception as e:          # noqa: BLE001 - collect every stale probe, then fail once
-                    failed.append(f"{name} / {kernel.__name__} {args[0].shape}: {type(e).__name__}: {e}"[:300])
+    for tile, warps in ((1, 4), (2, 4), (4, 2), (8, 8)):
+        try:
+            out = jax.eval_shape(lambda c, *x: compress_prefill(c, s, *x, tile_pools=tile, num_warps=warps,
+                                                                interpret=True), layout.allocate(0), *cargs)
+            assert out.shape == (layout.total_words,), out.shape
+        except Exception as e:                  # noqa: BLE001
+            failed.append(f"compress_prefill {tile}x{warps}: {type(e).__name__}: {e}"[:300])
     assert not failed, "\n".join(failed)
-    assert set(pc.SAME_BITS) <= set(pc.PROBES), set(pc.SAME_BITS) - set(pc.PROBES)
+
+
+def test_profile_modes_run_every_case(capsys):
+    """trace_writes.py --profile and trace_read.py --profile (gpu.sh's ncu step) run one call
+    of each case's Pallas path inside the CUDA profiler's window, after a warm-up call.
+    Here (no libcudart on the CPU) the calls still run, in interpret mode at small sizes,
+    in the order given, and the decode update's call threads its donated cache."""
+    import numpy as np
+    import _timing
+    import trace_read as tr
+    import trace_writes as tw
+    tw.main(["--profile", "decode:2:1", "decode:2:4", "seed:512", "compress:512"])
+    out = capsys.readouterr().out
+    assert ("profiled, in order: decode_update B=2 next_n=1; decode_update B=2 next_n=4; "
+            "seed 512 tokens / 64 requests; compress 512 tokens / 64 requests") in out, out
+    tr.main(["--profile", "--batches", "2", "--contexts", "4096", "--topk-rows", "4", "--topk-cols", "2048"])
+    out = capsys.readouterr().out
+    assert "profiled, in order: select_tokens B=2 ctx=4096; topk_pools [4, 2048] k=512" in out, out
+    import pytest
+    with pytest.raises(SystemExit, match="bad case"):
+        tw.profile_case(np.random.default_rng(0), "decode:2")
+    call = _timing.threaded(jax.jit(lambda s, d: s + d, donate_argnums=0), jnp.zeros((4,), jnp.int32), jnp.int32(2))
+    assert _timing.profile_calls([("add", call)]) == ["add"]
+    np.testing.assert_array_equal(np.asarray(call()), np.full((4,), 6, np.int32))    # 2 calls above, this one
+
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_every_benchmark_imports():
+    """Every tool in benchmarks/ imports (and so finds the helpers it takes from the
+    others and from the package), and every script compiles."""
+    import importlib
+    import py_compile
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        py_compile.compile(str(path), doraise=True)
+        if "def main(" in path.read_text():             # a tool, not a bare script (_sass_summary.py)
+            importlib.import_module(path.stem)
+
+
+def test_gpu_sh_steps_name_existing_tools():
+    """benchmarks/gpu.sh: every step in ALL_STEPS has its step function and every function
+    its step, every Python file a step runs exists, the script parses, and an unknown step
+    is refused (exit 2) before anything runs."""
+    import re
+    import subprocess
+    text = (BENCHMARKS / "gpu.sh").read_text()
+    steps = " ".join(re.findall(r'ALL_STEPS\+?="([^"]*)"', text)).split()
+    funcs = re.findall(r"^step_(\w+)\(\) \{", text, re.M)
+    assert steps and sorted(s.replace("-", "_") for s in steps) == sorted(funcs), (steps, funcs)
+    root = BENCHMARKS.parent
+    paths = set(re.findall(r"\b((?:benchmarks|tests)/[\w/]+\.py)\b", text))
+    assert any(p.startswith("benchmarks/") for p in paths) and any(p.startswith("tests/") for p in paths), paths
+    missing = sorted(p for p in paths if not (root / p).exists())
+    assert not missing, f"gpu.sh runs files that do not exist: {missing}"
+    subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu.sh")], check=True)
+    r = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh")], env={"STEPS": "no-such-step", "PATH": "/usr/bin:/bin"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown step 'no-such-step'" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_the_tree_cites_existing_tools_and_steps():
+    """Every benchmarks/ or tests/scripts/ file that the docs, code or notebooks name
+    exists, and every `STEPS=...` they give to gpu.sh names its steps."""
+    import re
+    import sys
+    sys.path.insert(0, str(BENCHMARKS.parent / "tests"))
+    from test_tree_is_current import tracked_files
+    root = BENCHMARKS.parent
+    text = (BENCHMARKS / "gpu.sh").read_text()
+    steps = set(" ".join(re.findall(r'ALL_STEPS\+?="([^"]*)"', text)).split())
+    missing, unknown = [], []
+    for path in tracked_files():
+        rel = path.relative_to(root).as_posix()
+        body = path.read_text(encoding="utf-8", errors="replace")
+        for i, line in enumerate(body.splitlines(), 1):
+            for name in re.findall(r"\b((?:benchmarks|tests/scripts)/[\w.]+\.(?:py|sh))\b", line):
+                if not (root / name).exists():
+                    missing.append(f"{rel}:{i}: {name}")
+            for value in re.findall(r'\bSTEPS=(?:"([^"$]*)"|([\w-]+))', line):
+                unknown += [f"{rel}:{i}: {s}" for s in " ".join(value).split() if s not in steps]
+    assert not missing, "files named that do not exist:\n" + "\n".join(missing)
+    assert not unknown, "gpu.sh steps that do not exist:\n" + "\n".join(unknown)

@@ -32,7 +32,7 @@ def test_layout_default_config(capsys):
     assert main(["layout"]) == 0
     out = capsys.readouterr().out
     t = _table(out)
-    # spec section 3.2, the PR #57477 row: B = 1152, R = 4
+    # docs/semantics.md 3.2, the PR #57477 row: B = 1152, R = 4
     assert t["block size tokens"] == 1152
     assert t["index block bytes"] == 38_016
     assert t["pages per block"] == 9
@@ -46,7 +46,7 @@ def test_layout_default_config(capsys):
     assert "38,016" in out and "19,008" in out
 
 
-# (block_size, pools per block, index block bytes, page rows, pages/block, tail stride elems): spec 3.2
+# (block_size, pools per block, index block bytes, page rows, pages/block, tail stride elems): docs/semantics.md 3.2
 SPEC_ROWS = [
     (640, 160, 21_120, 32, 5, 10_560),
     (1024, 256, 33_792, 64, 4, 16_896),

@@ -1,5 +1,5 @@
 """IndexerConfig and CacheLayout: derived geometry, validation rules, the flat
-buffer's byte layout (spec 3.1-3.4, ARCHITECTURE.md "The flat buffer") and the
+buffer's byte layout (docs/semantics.md 3.1-3.4, docs/design.md "One flat buffer of uint32 words") and the
 host-side inspection views."""
 import dataclasses
 import math
@@ -50,7 +50,7 @@ def test_config_is_frozen_and_hashable():
     assert c != IndexerConfig(num_spec_tokens=1)
 
 
-# spec 3.2 worked numbers, R = 4: B -> (S, idx_page bytes, Spg, pages/block, page bytes, tail stride elems)
+# docs/semantics.md 3.2 worked numbers, R = 4: B -> (S, idx_page bytes, Spg, pages/block, page bytes, tail stride elems)
 WORKED = {
     640: (160, 21120, 32, 5, 4224, 10560),
     1024: (256, 33792, 64, 4, 8448, 16896),
@@ -313,7 +313,7 @@ def test_allocate_fills_every_byte(rng):
 # inspection views
 # ---------------------------------------------------------------------------------
 def _spec_pool_offsets(base, page_rows, loc):
-    """(key byte offset, scale byte offset) of pool slot loc, straight from spec 3.1."""
+    """(key byte offset, scale byte offset) of pool slot loc, straight from docs/semantics.md 3.1."""
     page, row = loc // page_rows, loc % page_rows
     start = base + page * page_rows * 132
     return start + row * 128, start + page_rows * 128 + row * 4
@@ -325,7 +325,7 @@ def _spec_tail_offset(base, block_bytes, ring, block, slot, half):
 
 @pytest.mark.parametrize("block_size, n_spec", [(1152, 0), (1024, 1), (64, 0)])
 def test_views_read_hand_written_bytes(rng, block_size, n_spec):
-    """Bytes placed at the spec's offsets with numpy come back through pool_keys/tail_ring."""
+    """Bytes placed at the offsets of docs/semantics.md 3.1 with numpy come back through pool_keys/tail_ring."""
     cfg = IndexerConfig(block_size=block_size, num_spec_tokens=n_spec)
     lay = CacheLayout(cfg, num_layers=3, num_blocks=5, attn_block_bytes=4 * int(rng.integers(0, 300)))
     layer = int(rng.integers(0, 3))
@@ -367,7 +367,7 @@ def test_views_read_hand_written_bytes(rng, block_size, n_spec):
 
 
 def test_views_round_trip_reference_writes(rng):
-    """Pools and tails written by the reference are where the spec says, and the views read them."""
+    """Pools and tails written by the reference are where docs/semantics.md 3 says, and the views read them."""
     lay = refjit.SMALL_LAYOUT                      # kpool 4, ring 8, one 32-row page per block
     cfg = lay.config
     layer = 0
@@ -376,7 +376,7 @@ def test_views_round_trip_reference_writes(rng):
     key = random_rows(rng, R * n_pools)
     gate = random_rows(rng, R * n_pools)
     ape = random_ape(rng, R)
-    # the tail block aliases its indexer block, so pools go to the other blocks (spec 3.5)
+    # the tail block aliases its indexer block, so pools go to the other blocks (docs/semantics.md 3.5)
     blk = int(rng.integers(1, lay.num_blocks))
     pool_slots = np.arange(lay.num_blocks * cfg.pools_per_block)
     pool_slots = pool_slots[pool_slots // cfg.pools_per_block != blk]

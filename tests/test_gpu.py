@@ -99,7 +99,7 @@ def test_large_cache_reads_past_2gib(rng, gib):
 
 
 def test_out_of_range_slots_never_write(rng):
-    """Slots past the last block (spec B8) and padding write nothing, compiled."""
+    """Slots past the last block (docs/semantics.md B8) and padding write nothing, compiled."""
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
     t = 64
     key = jnp.asarray(rng.standard_normal((t, 128)), jnp.bfloat16)

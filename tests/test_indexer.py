@@ -1,6 +1,6 @@
 """The nnx Indexer layer: checkpoint names and shapes, safetensors loading, the
 projections (float64 oracle, batch invariance), and a chunked prefill through the
-layer checked byte for byte against the paging-free golden model (spec App. C)."""
+layer checked byte for byte against the paging-free golden model (docs/semantics.md appendix C)."""
 import functools
 
 import jax
@@ -149,8 +149,8 @@ def test_ordered_chain_unroll_changes_no_bit(rng, monkeypatch, request, op):
     """The unroll of the ordered contractions is a launch-cost knob only: every
     unroll, including none and all, gives the same bits. UNROLL is read when the
     function is traced, and jax's trace cache does not see a patched module global:
-    the caches are cleared for each unroll (until session 17 they were not, and all
-    five runs reused the first one's program), and the programs must differ."""
+    the caches are cleared for each unroll (else all five runs would reuse the first
+    one's program), and the programs must differ."""
     monkeypatch.setattr(inv, "CONTRACTIONS", "xla")        # the XLA chain ("auto" is the kernel on a GPU)
     request.addfinalizer(jax.clear_caches)                 # (runs before monkeypatch restores UNROLL)
     x, w = bf16(rng, (9, 70)), bf16(rng, (70, 12), 0.1)
@@ -333,7 +333,7 @@ def test_bf16_rounding_survives_f32_consumers(rng):
 
 def test_layer_prefill_in_non_aligned_chunks_matches_golden_pools(rng):
     """The layer's own projections, written in two chunks split mid-pool, give the
-    paging-free golden pools (Appendix C) and tail ring, byte for byte."""
+    paging-free golden pools (docs/semantics.md appendix C) and tail ring, byte for byte."""
     idx = make(rng)
     lay = CacheLayout(CFG, num_layers=1, num_blocks=8)
     n = int(rng.integers(70, 120))

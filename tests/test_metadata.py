@@ -1,4 +1,4 @@
-"""Host-side metadata (spec 4.1-4.3): page tables, the pool-granular compressed
+"""Host-side metadata (docs/semantics.md 4.1-4.3): page tables, the pool-granular compressed
 slot mapping and the token-granular tail slot mapping. The expected (page, row)
 of every pool is derived independently from the MANAGER block table (block of
 block_size tokens), never through the page table, so a unit mix-up between
@@ -74,7 +74,7 @@ def test_compressed_slot_round_trip(rng, cfg):
         for s, p, r in zip(slot[completes], pos[completes], req[completes]):
             page, row = _expected_page_row(cfg, bt, r, p)
             assert (s // cfg.page_rows, s % cfg.page_rows) == (page, row)
-            # spec 4.2 manager-block form (dense layer-outer layout)
+            # docs/semantics.md 4.2 manager-block form (dense layer-outer layout)
             assert s == bt[r, p // cfg.block_size] * cfg.pools_per_block + (p // cfg.kpool) % cfg.pools_per_block
         # distinct pools of distinct requests never share a slot
         v = slot[slot >= 0]

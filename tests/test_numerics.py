@@ -1,7 +1,7 @@
-"""pallas_kernels.core.numerics (spec section 2): Hadamard-128, exact power-of-two
+"""pallas_kernels.core.numerics (docs/semantics.md 2): Hadamard-128, exact power-of-two
 scales, fp8/bf16 rounding with integer ops, the context-independent exp and
 reciprocal, and the exact-product multiply-add. Compared against float64 /
-ml_dtypes / a literal numpy butterfly, bit for bit where the spec promises bits."""
+ml_dtypes / a literal numpy butterfly, bit for bit where the semantics promise bits."""
 import math
 import pathlib
 
@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from glm5_jax.testing import (session7_exp_f32, session12_recip_f32, session13_hadamard128, session14_compress_pool,
-                              session14_exp_f32)
+from numerics_forms import (compress_pool_sum_from_zero, exp_f32_by_conversion, exp_f32_taylor9,
+                            hadamard128_constant_geometry, recip_f32_newton_mac)
 from pallas_kernels.core import numerics as nm
 
 F32 = np.float32
@@ -47,7 +47,7 @@ def _hadamard_matrix64():
 
 
 def _butterfly_np(x):
-    """The literal in-place butterfly of spec 2.1 in float32 numpy."""
+    """The literal in-place butterfly of docs/semantics.md 2.1 in float32 numpy."""
     y = np.array(x, dtype=F32, copy=True)
     s = 1
     while s < 128:
@@ -110,9 +110,9 @@ def _signed_zero_rows(rng):
     return x
 
 
-def test_hadamard128_equals_session13_form_bitwise(rng):
-    """The in-place unstack form (session 14) has the bits of sessions 1-13's
-    constant-geometry form for normal inputs and signed zeros, jitted and eager and at
+def test_hadamard128_equals_constant_geometry_form_bitwise(rng):
+    """The in-place unstack form has the bits of the constant-geometry form
+    (tests/numerics_forms.py) for normal inputs and signed zeros, jitted and eager and at
     several leading shapes; and of the numpy butterfly once -0 is +0. (Not for
     subnormals on the CPU: XLA's CPU backend flushes them to zero with their sign, and
     the two forms' signed zeros then differ; the GPU backends keep them.)"""
@@ -120,7 +120,7 @@ def test_hadamard128_equals_session13_form_bitwise(rng):
     x = (rng.standard_normal((n_random_rows, 128)) * np.exp2(rng.uniform(-60, 60, (n_random_rows, 1)))).astype(F32)
     x[5] *= np.exp2(rng.uniform(-40, 40, 128)).astype(F32)                 # widely spread exponents
     x = np.concatenate([x, _signed_zero_rows(rng)])                        # its row 0: all -0
-    want = np.asarray(jax.jit(session13_hadamard128)(jnp.asarray(x)))
+    want = np.asarray(jax.jit(hadamard128_constant_geometry)(jnp.asarray(x)))
     for got in (np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x))),
                 np.asarray(nm.hadamard128(jnp.asarray(x))),
                 np.asarray(jax.jit(nm.hadamard128)(jnp.asarray(x.reshape(2, 23, 128)))).reshape(x.shape)):
@@ -192,7 +192,7 @@ def test_pow2_scale_floor_for_small_inputs():
     scale, inv = jax.jit(nm.pow2_scale)(jnp.asarray(amax))
     assert np.all(np.asarray(scale) == np.float32(2.0**-22))
     assert np.all(np.asarray(inv) == np.float32(2.0**22))
-    # 2^-22 is what the spec derives: 2^ceil(log2(1e-4/448))
+    # 2^-22 is what docs/semantics.md 2.2 derives: 2^ceil(log2(1e-4/448))
     assert 2.0**math.ceil(math.log2(1e-4 / 448)) == 2.0**-22
 
 
@@ -303,7 +303,7 @@ def test_exp_f32_accuracy(rng):
     got = np.asarray(jax.jit(nm.exp_f32)(jnp.asarray(d)))
     want = np.exp(d.astype(np.float64)).astype(F32)          # correctly rounded (to f64 accuracy)
     ulps = _ulp_diff(got, want)
-    assert ulps.max() <= 1, f"max {ulps.max()} ulp at d={d[np.argmax(ulps)]!r}"   # 2 before session 8
+    assert ulps.max() <= 1, f"max {ulps.max()} ulp at d={d[np.argmax(ulps)]!r}"
     assert got[d == 0][0] == 1.0
     assert np.all(got > 0) and np.all(got <= 1.0)
 
@@ -419,9 +419,10 @@ def test_exp_model_fused_differs_so_the_rounding_matters(rng):
     assert np.any(_bits(sep) != _bits(fus))
 
 
-def test_exp_forms_of_session15_keep_session14_bits(rng):
+def test_exp_forms_equal_the_conversion_form(rng):
     """exp_f32 (k from the bits of kf + 1.5 * 2**23) and exp_nonpositive_f32 (one-sided
-    clamp) have sessions 13-14's bits: exp_f32 over [-100, 100] (both clamps reached),
+    clamp) have the bits of exp_f32_by_conversion (k by a float-to-int conversion, both
+    clamps; tests/numerics_forms.py): exp_f32 over [-100, 100] (both clamps reached),
     exp_nonpositive_f32 for every d <= 0, jitted and eager, with the XLA gather and with
     a kernel-style table lookup."""
     d_all = np.concatenate([rng.uniform(-100, 100, 100000), _exp_inputs(rng),
@@ -432,8 +433,8 @@ def test_exp_forms_of_session15_keep_session14_bits(rng):
     d_neg = np.minimum(d_neg, F32(0.0))
     tab = jnp.asarray(nm.exp_table_input())
     kernel_lookup = lambda j: tab[jnp.zeros_like(j), j]                           # noqa: E731
-    want_all = np.asarray(jax.jit(session14_exp_f32)(jnp.asarray(d_all)))
-    want_neg = np.asarray(jax.jit(session14_exp_f32)(jnp.asarray(d_neg)))
+    want_all = np.asarray(jax.jit(exp_f32_by_conversion)(jnp.asarray(d_all)))
+    want_neg = np.asarray(jax.jit(exp_f32_by_conversion)(jnp.asarray(d_neg)))
     for name, got, want in (
             ("exp_f32 jit", jax.jit(nm.exp_f32)(jnp.asarray(d_all)), want_all),
             ("exp_f32 eager", nm.exp_f32(jnp.asarray(d_all)), want_all),
@@ -449,9 +450,9 @@ def test_exp_forms_of_session15_keep_session14_bits(rng):
 
 
 def test_exp_nonpositive_power_by_bits_equals_the_multiply(rng):
-    """exp_nonpositive_f32 applies 2**(k >> 6) by adding (k >> 6) << 23 to e's bits (session
-    16): the same bits as session 15's multiply (``_exp_clamped`` without scale_by_bits) and
-    as session 14's form, for EVERY f32 in [-87, -86.5] (k >> 6 = -126, the bottom of the
+    """exp_nonpositive_f32 applies 2**(k >> 6) by adding (k >> 6) << 23 to e's bits: the
+    same bits as the multiply (``_exp_clamped`` without scale_by_bits) and as
+    exp_f32_by_conversion, for EVERY f32 in [-87, -86.5] (k >> 6 = -126, the bottom of the
     range, where a subnormal product would break the add: it stays normal), every f32 within
     +-6 ulps of each k boundary k / EXP_SCALE in [-87, 0], the tiny d near 0 (r < 0 there,
     e < 1) and random d; with the XLA gather and with a kernel-style lookup."""
@@ -468,7 +469,7 @@ def test_exp_nonpositive_power_by_bits_equals_the_multiply(rng):
     tab = jnp.asarray(nm.exp_table_input())
     kernel_lookup = lambda j: tab[jnp.zeros_like(j), j]                           # noqa: E731
     mult = np.asarray(jax.jit(lambda x: nm._exp_clamped(jnp.maximum(x, -87.0)))(jnp.asarray(d)))
-    np.testing.assert_array_equal(_bits(mult), _bits(np.asarray(jax.jit(session14_exp_f32)(jnp.asarray(d)))))
+    np.testing.assert_array_equal(_bits(mult), _bits(np.asarray(jax.jit(exp_f32_by_conversion)(jnp.asarray(d)))))
     for name, got in (("gather", jax.jit(nm.exp_nonpositive_f32)(jnp.asarray(d))),
                       ("kernel lookup", jax.jit(lambda x: nm.exp_nonpositive_f32(x, kernel_lookup))(jnp.asarray(d)))):
         np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(mult), err_msg=name)
@@ -500,7 +501,7 @@ def test_compress_pool_takes_its_multiply_as_mul(rng):
 
 
 def test_compress_pool_kernel_forms_are_used_and_keep_the_bytes(rng):
-    """compress_pool's kernel hooks (session 17): the bf16 rounding runs twice per pool and
+    """compress_pool's kernel hooks: the bf16 rounding runs twice per pool and
     the -0 fix once, through the forms given (a rounding that truncates instead changes
     the bytes, so neither is bypassed), and leaving the clip to the conversion
     (fp8_saturates) keeps every byte on XLA too, since no finite value scales past 448.
@@ -545,7 +546,7 @@ def _knockout_scores(rng, n):
 
 
 def test_knockout_weights_are_the_chain_weights(rng):
-    """softmax_weights_knockout (three exps for four scores, session 18) gives every
+    """softmax_weights_knockout (three exps for four scores) gives every
     weight the bits of softmax_weights (the reference's left-to-right max, four exps) for
     finite scores and -inf beside them: spread values, all tie patterns with signed zeros,
     neighbours one ulp apart, weights at the exp's clamp. It runs three exps, and the
@@ -590,10 +591,11 @@ def test_compress_pool_with_knockout_weights_keeps_the_bytes(rng):
     np.testing.assert_array_equal(_bits(base[1]), _bits(knock[1]))
 
 
-def test_compress_pool_keeps_session14_bytes_with_signed_zero_keys(rng):
-    """compress_pool's sum starts from k_0 e_0 (no 0 +) since session 15: the same fp8
-    bytes and scales as sessions 13-14's form, for random pools and for pools whose keys
-    are all +-0 (where the new sum ends at -0 and the old one at +0)."""
+def test_compress_pool_equals_the_sum_from_zero_with_signed_zero_keys(rng):
+    """compress_pool's sum starts from k_0 e_0 (no 0 +): the same fp8 bytes and scales as
+    compress_pool_sum_from_zero (tests/numerics_forms.py), for random pools and for pools
+    whose keys are all +-0 (where the sum from the product ends at -0 and the sum from 0
+    at +0)."""
     import ml_dtypes
     n, r = 512, 4
     k = (rng.standard_normal((n, r, 128)) * np.exp2(rng.uniform(-8, 8, (n, 1, 1)))).astype(ml_dtypes.bfloat16)
@@ -605,10 +607,10 @@ def test_compress_pool_keeps_session14_bytes_with_signed_zero_keys(rng):
 
     def both(k, g, ape):
         args = ([k[:, j] for j in range(r)], [g[:, j] for j in range(r)], [ape[j] for j in range(r)])
-        return nm.compress_pool(*args), session14_compress_pool(*args)
-    (q_new, s_new), (q_old, s_old) = jax.jit(both)(jnp.asarray(k), jnp.asarray(g), jnp.asarray(ape))
-    np.testing.assert_array_equal(np.asarray(q_new).view(np.uint8), np.asarray(q_old).view(np.uint8))
-    np.testing.assert_array_equal(_bits(s_new), _bits(s_old))
+        return nm.compress_pool(*args), compress_pool_sum_from_zero(*args)
+    (q_got, s_got), (q_zero, s_zero) = jax.jit(both)(jnp.asarray(k), jnp.asarray(g), jnp.asarray(ape))
+    np.testing.assert_array_equal(np.asarray(q_got).view(np.uint8), np.asarray(q_zero).view(np.uint8))
+    np.testing.assert_array_equal(_bits(s_got), _bits(s_zero))
     # sharp: the two sums do differ in sign for the all -0 pools
     e = jnp.ones((128,), jnp.float32)
     kz = jnp.asarray(k[0, 0]).astype(jnp.float32)
@@ -686,9 +688,9 @@ def test_split12_is_made_from_the_bits_of_its_operand(rng):
     normal = np.abs(a) >= 2.0**-100               # numpy keeps subnormals, XLA on CPU flushes them
     np.testing.assert_array_equal(_bits(np.asarray(hi)), _bits(want_hi))
     np.testing.assert_array_equal(_bits(np.asarray(lo))[normal], _bits(want_lo)[normal])
-    # everywhere, subnormals included: the same bits as the old a - hi on this backend
-    old_lo = jax.jit(lambda a: a - nm._split12(a)[0])(jnp.asarray(a))
-    np.testing.assert_array_equal(_bits(np.asarray(lo)), _bits(np.asarray(old_lo)))
+    # everywhere, subnormals included: the same bits as a plain a - hi on this backend
+    plain_lo = jax.jit(lambda a: a - nm._split12(a)[0])(jnp.asarray(a))
+    np.testing.assert_array_equal(_bits(np.asarray(lo)), _bits(np.asarray(plain_lo)))
     # structure: every float subtraction reads bitcasts only, never the operand
     jaxpr = jax.make_jaxpr(nm._split12)(jnp.float32(1.5)).jaxpr
     made = {v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}
@@ -796,7 +798,7 @@ def test_compress_pool_context_independent(rng):
 
 
 # ---------------------------------------------------------------------------------
-# the Triton FMA-contraction mismatch (H200, session 3): 16 pools saved from the GPU
+# the Triton FMA-contraction mismatch: 16 pools saved from an H200
 # ---------------------------------------------------------------------------------
 def _saved_pools():
     import ml_dtypes
@@ -808,8 +810,8 @@ def _saved_pools():
 
 
 def _newton_recip_contracted(b):
-    """recip_f32 as Triton compiled it with FMA contraction and the old split
-    (lo = a - hi): each Newton step's split subtracts hi from the UNROUNDED
+    """recip_f32_newton_mac as Triton compiled it with FMA contraction and the split
+    lo = a - hi: each Newton step's split subtracts hi from the UNROUNDED
     product y * t (float64 holds it exactly)."""
     y = (np.uint32(0x7EF311C3) - b.view(np.uint32)).view(F32)
     exact = y.astype(np.float64)
@@ -825,16 +827,17 @@ def _newton_recip_contracted(b):
     return y
 
 
-# The numerics the pools were saved with (sessions 3-7): ``testing.session7_exp_f32``
-# and the pooled sum with four-product ``mac`` steps. Session 8 replaced both
-# (numerics.exp_f32 / mac_bf16) with cheaper exact forms whose bits differ.
-def _s3_softmax_pool(k, g, ape, recip):
-    """Session-3 pooling of k, g [4, 128] (bf16-valued f32): the bf16-rounded x."""
+# The numerics the pools were saved with: ``exp_f32_taylor9`` (tests/numerics_forms.py)
+# and the pooled sum with four-product ``mac`` steps, whose bits differ from numerics'
+# exp_f32 / mac_bf16.
+def _saved_pools_softmax_pool(k, g, ape, recip):
+    """The pooling of k, g [4, 128] (bf16-valued f32) in the numerics the pools were
+    saved with: the bf16-rounded x."""
     s = [jnp.asarray((g[i] + ape[i]).astype(F32)) for i in range(4)]
     m = s[0]
     for i in range(1, 4):
         m = jnp.maximum(m, s[i])
-    e = [session7_exp_f32(s[i] - m) for i in range(4)]
+    e = [exp_f32_taylor9(s[i] - m) for i in range(4)]
     den = e[0]
     acc = nm.mac(jnp.zeros(128, jnp.float32), jnp.asarray(k[0]), e[0])
     for i in range(1, 4):
@@ -850,22 +853,22 @@ def test_saved_triton_fma_pools_root_cause():
     the wrong bytes exactly, which pins the cause on lo = a - hi of a product."""
     d, pools = _saved_pools()
     ape = d["ape"].astype(F32)
-    recip = lambda den: np.asarray(session12_recip_f32(jnp.asarray(den)))      # noqa: E731
+    recip = lambda den: np.asarray(recip_f32_newton_mac(jnp.asarray(den)))     # noqa: E731
     for j, (k, g) in enumerate(pools):
-        q8, _ = nm.rotate_quant(_s3_softmax_pool(k, g, ape, recip))
+        q8, _ = nm.rotate_quant(_saved_pools_softmax_pool(k, g, ape, recip))
         got = np.asarray(q8).view(np.uint8)
         np.testing.assert_array_equal(got, d[f"golden{j}"], err_msg=f"pool {j}")
         np.testing.assert_array_equal(got, d[f"triton_nofma{j}"], err_msg=f"pool {j}")
         assert (d[f"triton_fma{j}"] != got).any()
         # the same pooling with the contracted reciprocal
-        q8c, _ = nm.rotate_quant(_s3_softmax_pool(k, g, ape, _newton_recip_contracted))
+        q8c, _ = nm.rotate_quant(_saved_pools_softmax_pool(k, g, ape, _newton_recip_contracted))
         np.testing.assert_array_equal(np.asarray(q8c).view(np.uint8), d[f"triton_fma{j}"], err_msg=f"pool {j}")
 
 
 def test_word_packing_keeps_byte_order_and_its_parts_form(rng):
     """pack_fp8_words / pack_bf16_words put element i of a row at byte i of the row's
     little-endian words (the cache's byte layout), and their keep_parts form (the decode
-    update's stores at one token per request, session 18) repeats each of those words along
+    update's stores at one token per request) repeats each of those words along
     the axis of its parts: every part holds the whole word."""
     raw = rng.integers(0, 256, (3, 5, 256), dtype=np.uint8)
     q8 = jnp.asarray(raw[..., :128].copy().view(ml_dtypes.float8_e4m3fn))

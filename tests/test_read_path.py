@@ -1,6 +1,6 @@
 """Read path: query quantisation, paged logits, exact top-k over pools, expansion,
 and whole token selection. Pallas kernels vs the XLA reference vs numpy oracles
-and the paging-free golden model (spec Appendix C).
+and the paging-free golden model (docs/semantics.md appendix C).
 
 On CPU the kernels run in interpret mode; on a GPU backend the same tests run
 them compiled. Logits are f32 sums whose order may differ between Pallas and
@@ -26,11 +26,11 @@ from pallas_kernels.core import addressing as addr
 SENTINEL = 0xA5
 FP8 = jnp.float8_e4m3fn
 # Relative tolerance on logits (relative to the row's largest |score|). On CPU the
-# kernels' f32 sums differ from XLA's by an ulp at most. On the H200 (session 5,
-# tests/scripts/gpu_diag_s5.py) the Pallas logits are within 1.3e-6 of the f64 golden
-# scores; the XLA reference was up to 1.6e-3 off while it ran its einsum on the fp8
-# arrays (fp8 tensor cores accumulate with reduced precision), and it now
-# multiplies bf16 copies (exact products, f32 accumulation).
+# kernels' f32 sums differ from XLA's by an ulp at most. On the H200
+# (tests/scripts/gpu_numerics_diag.py) the Pallas logits are within 1.3e-6 of the f64
+# golden scores; the XLA reference multiplies bf16 copies of the fp8 arrays (exact
+# products, f32 accumulation), since an einsum of the fp8 arrays themselves runs on fp8
+# tensor cores with reduced-precision accumulation, up to 1.6e-3 off.
 LOGIT_RTOL = 2e-5 if jax.default_backend() == "gpu" else 2e-6
 
 
@@ -772,7 +772,7 @@ def test_long_prefill_runs_in_row_chunks(rng, monkeypatch, request):
     chunked = select_xla()
     if jax.default_backend() == "cpu":                     # XLA's CPU dot: the same bits for any row count
         np.testing.assert_array_equal(chunked, whole)
-    else:            # a GPU dot may sum in another order per row count (session 5, gpu_diag_s5.py)
+    else:            # a GPU dot may sum in another order per row count (gpu_numerics_diag.py)
         r = layout.config.kpool
         (ids_c, tail_c), (ids_w, tail_w) = split_tokens(chunked, k, r), split_tokens(whole, k, r)
         np.testing.assert_array_equal(tail_c, tail_w)
@@ -795,7 +795,7 @@ def test_paged_topk_never_materialises_logits(rng):
 
 
 # ---------------------------------------------------------------------------------
-# whole selection vs the paging-free golden model (Appendix C)
+# whole selection vs the paging-free golden model (docs/semantics.md appendix C)
 # ---------------------------------------------------------------------------------
 @jax.jit
 def _compress_pools(k, g, ape):                    # [m, R, 128] bf16 x2, [R, 128] -> (q8, scale)
@@ -806,8 +806,9 @@ def _compress_pools(k, g, ape):                    # [m, R, 128] bf16 x2, [R, 12
 
 
 def golden_pools(sc):
-    """Appendix C pools of every request straight from its token stream (no pages, no ring);
-    the same as Scenario.golden_pools, in one compiled call."""
+    """The golden model's pools (docs/semantics.md appendix C) of every request, straight
+    from its token stream (no pages, no ring); the same as Scenario.golden_pools, in one
+    compiled call."""
     r = sc.layout.config.kpool
     m = [q.length_tokens // r for q in sc.requests]
     k = np.concatenate([q.key[:mi * r].reshape(mi, r, 128) for q, mi in zip(sc.requests, m)])
@@ -847,7 +848,7 @@ def split_tokens(tokens, k, r):
 def select_case(rng):
     """Three random requests (200-400, 40-120 and 30 tokens) prefilled into a sentinel
     cache by the reference: (config, layout, scenario, cache, lengths, page table
-    [3, pages]). Shared with tests/scripts/gpu_diag_s5.py."""
+    [3, pages]). Shared with tests/scripts/gpu_numerics_diag.py."""
     cfg = IndexerConfig(block_size=512, topk=32)                    # P = 64, 8 pools, 35 columns
     layout = CacheLayout(cfg, num_layers=1, num_blocks=10)
     lengths = [int(rng.integers(200, 400)), int(rng.integers(40, 120)), 30]
@@ -929,7 +930,7 @@ def test_short_context_path(rng):
     # traced positions: the choice happens on the device (lax.cond)
     f = jax.jit(lambda p: ops.select_tokens(cache, layout, 0, q8, wf, table, p, implementation="pallas"))
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(pos))), want)
-    # spec invariant 6: the sparse path selects the same token sets
+    # docs/semantics.md 8, invariant 6: the sparse path selects the same token sets
     sparse = np.asarray(ops.select_tokens(*args, implementation="pallas", short_context=False))
     for row_s, row_w in zip(sparse, want):
         assert sorted(row_s[row_s >= 0].tolist()) == sorted(row_w[row_w >= 0].tolist())

@@ -39,7 +39,7 @@ def _pool_records(layout, cache, layer, slots):
 # =================================================================================
 def _place_seed_rows(raw, base, block_stride, ring, blocks, positions, key, gate):
     """Numpy model of a seed: K row of (block, pos) at base + block*stride + (pos%ring)*256,
-    gate row ring*256 further (spec 3.4). Only the rows given are placed."""
+    gate row ring*256 further (docs/semantics.md 3.4). Only the rows given are placed."""
     for b, p, k, g in zip(blocks, positions, key, gate):
         o = base + b * block_stride + (p % ring) * 256
         raw[o:o + 256] = k.view(np.uint8)
@@ -139,7 +139,7 @@ def test_vllm_compress_vector():
 
 
 def _pool_byte_mask(layout, layer, slots):
-    """Bytes of the pool records of `slots`, from the spec 3.1 formulas (not addressing.py)."""
+    """Bytes of the pool records of `slots`, from the docs/semantics.md 3.1 formulas (not addressing.py)."""
     c = layout.config
     m = np.zeros(layout.total_bytes, bool)
     base = layout.index_base_bytes(layer)
@@ -180,7 +180,7 @@ def test_vllm_prefill_decode_vector():
 
 
 # =================================================================================
-# decode writer == prefill writer, byte for byte (spec 8.1, bug B3)
+# decode writer == prefill writer, byte for byte (docs/semantics.md 8, invariant 1; B3)
 # =================================================================================
 # (config, decode width W). W = 1 only for R16-ring16 (n_spec 0: next_n is 1), to spare
 # the CPU a compile of the unrolled kpool-16 decode at a second width.
@@ -250,12 +250,12 @@ def test_decode_writer_matches_prefill_writer(rng, name):
                 np.testing.assert_array_equal(_u16(tg[r.tail_block, p % ring]),
                                               _u16(sc.requests[0].gate[p]),
                                               err_msg=f"ring gate of position {p}, {label(i)}")
-    # golden model (Appendix C), tails, and sentinel outside the requests' blocks
+    # golden model (docs/semantics.md appendix C), tails, and sentinel outside the requests' blocks
     sc.check_cache(cache, [L] * n, SENTINEL)
 
 
 # =================================================================================
-# rejected-draft redo (spec 5.4 example, bug B2)
+# rejected-draft redo (docs/semantics.md 5.4 example, bug B2)
 # =================================================================================
 REDO_LAYOUTS = {
     "ring8": refjit.SMALL_LAYOUT,        # kpool 4, num_spec_tokens 3 -> ring 8, block_size 128
@@ -309,7 +309,7 @@ def test_rejected_draft_redo_with_ring8(rng, history):
 
 
 def test_rejected_draft_redo_fails_with_ring4(rng):
-    """Self-check (spec 8.3): with a one-pool ring the drafts at 8, 9 overwrite the ring slots
+    """Self-check (docs/semantics.md 8, invariant 3): with a one-pool ring the drafts at 8, 9 overwrite the ring slots
     of 4, 5, so the redone pool 1 differs from the prefill writer's."""
     layout = REDO_LAYOUTS["ring4"]
     assert layout.config.ring == 4

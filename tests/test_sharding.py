@@ -54,8 +54,8 @@ def _report(r, what):
     return f"{what}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
 
 
-# 2 devices only: the 4-device cases (~55 s of CI's 15-minute budget) passed every
-# CI run from sessions 4 to 8 and add no code path the 2-device ones miss
+# 2 devices only: the 4-device cases (~55 s of CI's 15-minute budget) add no code path
+# the 2-device ones miss
 @pytest.mark.parametrize("impl, devices", [("xla", 2), ("pallas", 2)])
 def test_sharded_writes_equal_single_device(rng, impl, devices):
     seed = int(rng.integers(0, 2**31))

@@ -208,7 +208,7 @@ def test_triton_compress_many_pools_matches_golden(rng, fp_fusion):
 
 @pytest.mark.gpu
 def test_triton_out_of_range_slots_never_write(rng):
-    """Slots past the last block (spec B8) and padding write nothing, compiled."""
+    """Slots past the last block (docs/semantics.md B8) and padding write nothing, compiled."""
     _require_triton()
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=8)
     t = 64

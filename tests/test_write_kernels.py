@@ -46,7 +46,7 @@ def test_vllm_compress_vector_pallas():
 
 @pytest.mark.parametrize("fault", [None, "dense-tail-stride"])
 def test_padded_stride_regression_kernel(rng, fault):
-    """Spec B1 through the Pallas seed kernel (see write_cases.check_padded_stride)."""
+    """Bug B1 (docs/semantics.md 6) through the Pallas seed kernel (see write_cases.check_padded_stride)."""
     from pallas_kernels.writes.tail_seed import seed_tail as kernel
     check_padded_stride(rng, kernel, fault)
 
@@ -54,8 +54,8 @@ def test_padded_stride_regression_kernel(rng, fault):
 def test_decode_update_moves_row_bits_exactly(rng):
     """-0.0, subnormal and large bf16 key / gate values reach the ring (and the pools they
     complete) bit for bit, as through the reference. (A kernel that moved rows as floats,
-    e.g. picking a row out of a tile with a sum, would turn -0.0 into +0.0: session 11's
-    prefetching variant did until it moved the bits as integers.)"""
+    e.g. picking a row out of a tile with a sum, would turn -0.0 into +0.0; moving the
+    bits as integers keeps it.)"""
     cfg, lay = CASES[1].values                                  # ring of 2 x kpool, 3 layers
     layout, sc, pre, steps, _ = random_workload(rng, cfg, lay)
     special = np.array([-0.0, 0.0, 1e-40, -1e-40, 65504.0, -448.0, 2.0**-133, 1.0], np.float32)
@@ -90,7 +90,7 @@ def _odd_decode_batch(rng, layout, n, blocks_per_request=2):
     """A decode batch that no scheduler sends but the walk still defines: positions
     repeated, out of order and padded (-1, -7); tail slots that point at either of the
     request's tail blocks, at no block (-1) or past the last one; pool slots valid, -1
-    or out of range (each valid one used once in the batch). What the spec does
+    or out of range (each valid one used once in the batch). What docs/semantics.md does
     guarantee holds: requests keep to their own tail blocks (5.4), and a block holding
     pools is never a tail block (3.5: one owner per block id), so pool records never
     overlap ring rows. Tail blocks 1 .. 2b, pools in blocks 2b + 1 and up."""
@@ -215,8 +215,7 @@ def test_decode_update_follows_the_walk_on_verify_windows(rng, kpool, spec, n):
     and with padding after their live tokens, in one launch with windows that break one
     property each. The ring starts random, so a member read from the wrong place, or a
     stash that lands before a read of its row or before the pool write it must overwrite,
-    shows. (Session 22 tried a shorter program for the well-formed windows against this
-    test; docs/results/2026-12-02_s22_regular_windows.patch.)"""
+    shows."""
     from glm5_jax import reference as ref
     from pallas_kernels.writes import decode_update as du
     layout, s, start, ape = _random_ring_case(rng, kpool, spec, num_blocks=40)
@@ -281,7 +280,7 @@ def test_compiled_write_kernels_use_the_ptx_forms():
     compression and decode kernels round each of their 20 products that meet an add with
     one inline ``mul.rn.f32`` (3 per exp x 4, the 4 pooled products, 4 Newton steps; at one
     token per request the decode update's knockout takes 3 exps: 17, and 3 floors against
-    4, and its words are stored as [32, 4] / [64, 2], session 18) and
+    4, and its words are stored as [32, 4] / [64, 2]) and
     carry none of ``numerics.rounded``'s integer mins; they round to bf16 twice with
     ``cvt.rn.bf16x2.f32``, turn -0 into +0 once with ``add.rn.f32`` and leave the clip
     before the fp8 conversion out (no 448 in their IR). In interpret mode they use the
@@ -329,9 +328,9 @@ def test_compiled_write_kernels_use_the_ptx_forms():
 def test_backend_rejects_a_non_boolean_mask():
     """core.backend's masked loads and stores take boolean masks only. The GPU's Triton
     lowering rejects an int mask, but interpret mode reads it as a truth value, so a
-    kernel that builds one (session 18's unrolled-loop trial: ``~False`` is the int -1)
-    passed on the CPU and failed only on the H200. Now it fails here too, for gather,
-    scatter, load and store, while a boolean mask still works."""
+    kernel that builds one (``~False`` is the int -1) would pass on the CPU and fail only
+    on the GPU. It fails here too, for gather, scatter, load and store, while a boolean
+    mask still works."""
     from jax.experimental import pallas as pl
     from pallas_kernels.core import backend as B
 
@@ -358,7 +357,7 @@ def test_backend_rejects_a_non_boolean_mask():
 
 def test_write_bytes_do_not_depend_on_the_cpu_emitters(rng):
     """tests/conftest.py compiles the CPU tests with XLA's legacy CPU emitters (faster to
-    compile); users' processes use XLA's default fusion emitters. The spec's writes must
+    compile); users' processes use XLA's default fusion emitters. The cache writes must
     give the same bytes under both: one random workload through the XLA reference and the
     interpret-mode kernels, hashed here and in a process without the flag."""
     import os

@@ -97,7 +97,7 @@ def assert_same_snapshots(want, got):
 
 
 def check_padded_stride(rng, seed_strides, fault):
-    """Spec B1 through a seed kernel taking (cache, strides, key, gate, tslot): with the
+    """Bug B1 (docs/semantics.md 6) through a seed kernel taking (cache, strides, key, gate, tslot): with the
     real strides only the own tail blocks (18 and 200) change; with the injected dense
     stride the own blocks stay sentinel and other requests' indexer bytes change."""
     from glm5_jax import reference as ref

@@ -156,8 +156,8 @@ def gather_kv(cache, a, tokens, block_tables, *, by_rows: bool | None = None):
     by_rows (None: whenever ``addressing.attn_rows_aligned``): gather whole rows, one
     index per row, from the buffer viewed as [rows, row_words]; else one (row, col)
     pair per word of the [rows, VIEW_COLS] view. The same words either way. On the H200
-    (session 20) the per-word form was a 2.6 ms fusion of a 15 ms serving step: its
-    index arrays alone (T x W x row_words pairs) were larger than the rows."""
+    the per-word form is a 2.6 ms fusion of a 15 ms serving step: its index arrays alone
+    (T x W x row_words pairs) are larger than the rows."""
     slot, ok = _kv_slots(a, tokens, block_tables)
     by_rows = addr.attn_rows_aligned(a) if by_rows is None else by_rows
     if by_rows and not addr.attn_rows_aligned(a):

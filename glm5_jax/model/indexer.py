@@ -1,6 +1,6 @@
 """The kpool indexer as a flax (nnx) layer, and its safetensors loader.
 
-Parameters carry the checkpoint's names and shapes (spec section 0):
+Parameters carry the checkpoint's names and shapes (docs/semantics.md 0):
 
 ==============================  ======================  =====  ===============================
 name                            shape                   dtype  use
@@ -14,10 +14,10 @@ name                            shape                   dtype  use
 ==============================  ======================  =====  ===============================
 
 (H = ``n_heads``, D = 128, R = ``kpool``.) ``weights_proj`` is kept as the fp32
-copy the spec asks for (1.1: bf16 rounding of the per-head weights flips close
+copy docs/semantics.md 1.1 asks for (bf16 rounding of the per-head weights flips close
 pool rankings); a bf16 checkpoint tensor converts to it exactly.
 
-A forward pass (spec 1.4) computes the projections of every token of the step,
+A forward pass (docs/semantics.md 1.4) computes the projections of every token of the step,
 writes the cache through ``glm5_jax.ops`` (decode grid and the heads of
 non-aligned prefill chunks through ``decode_update``, the aligned prefill rest
 through ``compress_prefill`` + ``seed_tail``), then selects each query row's
@@ -94,7 +94,7 @@ class Indexer(nnx.Module):
             _normal(rngs, (d, hidden_size), hidden_size ** -0.5, jnp.bfloat16))
         self.index_kpool_compress_ape = nnx.Param(_normal(rngs, (r, d), 0.5, jnp.float32))
 
-    # ---- projections (spec 1.1) -----------------------------------------------------
+    # ---- projections (docs/semantics.md 1.1) -----------------------------------------------------
     def x_weights(self) -> list:
         """Transposed bf16 weights applied to x ([hidden, D] each): wk, then the gate."""
         return [self.wk[...].T, self.index_kpool_compress_gate[...].T]
@@ -118,7 +118,7 @@ class Indexer(nnx.Module):
         (k [T, D] bf16, gate [T, D] bf16, q [T, H, D] bf16, weights [T, H] f32).
 
         k = bf16(LayerNorm_fp32(bf16(x @ wk^T))); gate = bf16(x @ gate^T);
-        q = bf16(qr @ wq_b^T); weights = fp32(x) @ fp32(W_p)^T (spec 1.1).
+        q = bf16(qr @ wq_b^T); weights = fp32(x) @ fp32(W_p)^T (docs/semantics.md 1.1).
         """
         k_raw, gate_raw = inv.linear_multi(x, self.x_weights())
         (q_raw,) = inv.linear_multi(qr, self.qr_weights())
@@ -141,12 +141,12 @@ class Indexer(nnx.Module):
         ape = self.index_kpool_compress_ape[...].astype(jnp.float32)
         kw = dict(implementation=implementation)
         # 1. decode rows and the heads of non-aligned prefill chunks: stash in the
-        #    ring, complete pools reading earlier members from the ring (spec 5.4)
+        #    ring, complete pools reading earlier members from the ring (docs/semantics.md 5.4)
         ui = batch["upd_token_index"]
         cache = ops.decode_update(cache, layout, layer, k[ui], gate[ui], ape, batch["upd_slot_pools"],
                                   batch["upd_tslots"], batch["upd_positions"], fault=fault, **kw)
         # 2. aligned rest of each prefill chunk: compress completed pools, seed the
-        #    tail ring with the chunk's last kpool tokens (spec 5.2, 5.3)
+        #    tail ring with the chunk's last kpool tokens (docs/semantics.md 5.2, 5.3)
         nd_tok = bd * nd
         pk, pg = k[nd_tok:], gate[nd_tok:]
         cache = ops.compress_prefill(cache, layout, layer, pk, pg, ape,
@@ -154,7 +154,7 @@ class Indexer(nnx.Module):
         # the seed visits only each chunk's last kpool rows (same bytes, cost per request)
         cache = ops.seed_tail(cache, layout, layer, pk, pg, batch["pre_tslots"].reshape(-1),
                               request_ends_tokens=prefill_row_ends(batch["pre_positions"]), fault=fault, **kw)
-        # 3. read path, after every write of this layer (spec 1.3, 1.4)
+        # 3. read path, after every write of this layer (docs/semantics.md 1.3, 1.4)
         q8, wq = ops.prepare_queries(q, w, **kw)
         pages = batch["page_table_pages"]
         sel_d = ops.select_tokens(cache, layout, layer, q8[:nd_tok].reshape(bd, nd, *q8.shape[1:]),

@@ -35,20 +35,20 @@ from jax import lax
 from pallas_kernels.core import numerics as nm
 
 # Steps per fori_loop iteration of an ordered chain (python-unrolled inside). Measured
-# on the H200 (session 4, bench_scaleout): the host launches a loop body once per
-# iteration, so with 8 a serving step's dispatch took about as long as its device
-# work (~25 ms of ~27); 64 cut the dispatch to 4.6 ms but the device part grew to
-# ~52 ms (the long unrolled bodies run slower) and throughput fell from 11.1k to
-# 6.6k tokens/s. 8 stays; the unroll changes no bit either way.
+# on the H200 with bench_scaleout (docs/benchmarks.md): the host launches a loop body
+# once per iteration, so with 8 a serving step's dispatch takes about as long as its
+# device work (~25 ms of ~27); 64 cuts the dispatch to 4.6 ms but the device part grows
+# to ~52 ms (the long unrolled bodies run slower) and throughput falls from 11.1k to
+# 6.6k tokens/s. The unroll changes no bit either way.
 UNROLL = 8
 # Who runs the contractions (linear, linear_f32, batched_linear, sum_sq_last): "xla"
 # (the fori_loop chains here), "pallas" (one kernel per contraction,
 # pallas_kernels/contractions/ordered_linear.py and ordered_sumsq.py: the same operations in the
 # same order, so the same bits, with one launch instead of K / UNROLL host-launched
 # loop iterations) or "auto": "pallas" on a GPU, "xla" elsewhere (on the CPU the
-# kernels run in interpret mode, far slower than the loops). Measured on the H200
-# (session 5, bench_scaleout): with every contraction in a kernel a serving step's
-# dispatch falls from 26 to 1.1 ms and one GPU serves 34 % more tokens/s; the bits
+# kernels run in interpret mode, far slower than the loops). Measured on the H200 with
+# bench_scaleout (docs/benchmarks.md): with every contraction in a kernel a serving
+# step's dispatch falls from 26 to 1.1 ms and one GPU serves 34 % more tokens/s; the bits
 # equal the chains' (tests/test_gpu.py, and the engine test serving the same
 # tokens and cache bytes).
 CONTRACTIONS = "auto"
@@ -263,11 +263,12 @@ def bf16(x):
 
     Not ``x.astype(bfloat16)`` alone: XLA on the GPU drops an f32 -> bf16 -> f32
     round trip when it may keep excess precision (``xla_allow_excess_precision``,
-    on by default), so a consumer computing in f32 saw the unrounded value: the
-    products of ``linear``'s chain were then no longer exact, and the Pallas
-    projection kernel (which receives a real bf16 array) gave other bits (H200,
-    session 5, tests/scripts/gpu_diag_s5.py). Rounded by ``numerics.round_bf16``
-    first, the value is bf16-exact whether or not XLA keeps the round trip.
+    on by default), so a consumer computing in f32 would see the unrounded value: the
+    products of ``linear``'s chain would no longer be exact, and the Pallas projection
+    kernel (which receives a real bf16 array) would give other bits (on the H200;
+    tests/scripts/gpu_numerics_diag.py shows whether XLA keeps the round trip). Rounded
+    by ``numerics.round_bf16`` first, the value is bf16-exact whether or not XLA keeps
+    the round trip.
     """
     if x.dtype == jnp.bfloat16:
         return x

@@ -1,12 +1,12 @@
 """Host-side block allocation for one device shard: BlockPool.
 
-One pool of ``num_blocks`` block ids serves every group (spec 3.5):
+One pool of ``num_blocks`` block ids serves every group (docs/semantics.md 3.5):
 
 * block 0 is the null block: never handed out (padded tables point at it);
 * a running request holds its **indexer/attention blocks** (manager blocks of
   ``block_size_tokens`` tokens: the indexer pages and the attention K/V of those
   tokens, in every layer) and exactly **one tail block** (its bf16 tail ring
-  aliases the start of that block's indexer bytes, spec 3.4);
+  aliases the start of that block's indexer bytes, docs/semantics.md 3.4);
 * every block id is owned by the indexer group or by one tail, never both;
   indexer blocks may be shared by several requests through the prefix cache
   (reference counted), tail blocks never are.
@@ -16,7 +16,7 @@ registered under a chained hash ``H(parent hash, its token ids, cache_salt)``
 (sha256, so stable across processes). A new request reuses the longest run of
 leading cached blocks of its prompt, capped so at least one prompt token is
 recomputed; the hit always ends on a block boundary, hence on a pool boundary,
-and the recomputed suffix re-seeds the request's fresh tail ring (spec 5.3). Tail
+and the recomputed suffix re-seeds the request's fresh tail ring (docs/semantics.md 5.3). Tail
 blocks never take part in prefix caching.
 
 Freed blocks go to one free queue ordered for reuse: blocks with nothing cached

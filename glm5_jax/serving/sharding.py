@@ -244,8 +244,8 @@ def host_waits(hlo_text: str) -> list:
     """Instructions of a compiled program (``Compiled.as_text()``) at which XLA's GPU
     runtime waits for the device before it can go on dispatching: every ``while``
     without a known trip count (its condition is copied to the host on each
-    iteration). Measured on the H200 with jax 0.11.2 (benchmarks/dispatch_sync.py):
-    such a loop holds the call until the device is done; a ``conditional`` and a
+    iteration). Measured on the H200 with jax 0.11.2 (docs/benchmarks.md, "XLA chains
+    unrolled 8"): such a loop holds the call until the device is done; a ``conditional`` and a
     loop with a static trip count do not (the host launches the latter's body once
     per iteration, which costs time but does not wait)."""
     return [ln.strip()[:200] for ln in hlo_text.splitlines()

@@ -12,9 +12,9 @@ tile shape (batch invariance, glm5_jax.model.invariant).
 Why a kernel: the XLA chain is a fori_loop whose body the GPU runtime launches
 from the host once per iteration; the serving step of bench_scaleout ran ~1,800
 such iterations (docs/design.md, "Toward 1.8x"). One launch per contraction
-replaces them. Measured on the H200 (session 5): with the projections in this
-kernel a step's dispatch fell from 26 to 12 ms and the 2-GPU scale-out rose from
-1.81x to 1.88x.
+replaces them. On the H200, with the projections in this kernel a step's dispatch
+takes 12 ms instead of 26 and the 2-GPU scale-out is 1.88x instead of 1.81x
+(docs/benchmarks.md).
 
 Operands: x [M, K] or [G, M, K]; w [K, N] or [G, K, N], or with
 ``w_transposed`` [N, K] / [G, N, K] (the attention's scores read K rows as they
@@ -51,14 +51,14 @@ TILE_COLS = 64             # BN
 TILE_COLS_TRANSPOSED = 128 # BN with w_transposed (the attention's scores: N = the selected tokens)
 UNROLL = 16                # K steps per loop iteration, compiled
 UNROLL_INTERPRET = 4       # ... in interpret mode (the CPU: a shorter loop body to trace and compile)
-# The compiled defaults, measured on the H200 (session 20, benchmarks/probe_ordered_linear.py
-# at the serving step's shapes, 2,064 tokens; device spans, bits compared first): unroll 16
-# instead of 4 makes the attention's weighted sum (K = 2,051) 1.21x faster, the LM head and
-# the indexer's q projection 1.08-1.10x; 128-wide tiles make the attention's scores
-# (w_transposed, N = 2,051) 1.59x faster. Session 5 chose (32, 64) tiles and unroll 4.
-ROWS_NUM_WARPS = 2         # ordered_linear_rows: H200, session 21 (probe_ordered_linear.py, run 4, device
-                           # spans at the step's sizes): 2 warps 1.24x (weighted sum) and 1.08x (scores)
-                           # faster than 4; 8 warps and unroll 8 / 32 slower or within 8 %
+# The compiled defaults, measured on the H200 at the serving step's shapes (2,064 tokens;
+# device spans, bits compared first; docs/benchmarks.md, "Ordered contraction kernels"):
+# unroll 16 instead of 4 makes the attention's weighted sum (K = 2,051) 1.21x faster, the
+# LM head and the indexer's q projection 1.08-1.10x; 128-wide tiles make the attention's
+# scores (w_transposed, N = 2,051) 1.59x faster than 64-wide ones.
+ROWS_NUM_WARPS = 2         # ordered_linear_rows, H200 at the step's sizes (docs/benchmarks.md):
+                           # 2 warps 1.24x (weighted sum) and 1.08x (scores) faster than 4;
+                           # 8 warps and unroll 8 / 32 slower or within 8 %
 MODES = ("bf16", "f32")
 
 

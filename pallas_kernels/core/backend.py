@@ -42,7 +42,7 @@ def narrow_offsets_safe(nbytes: int) -> bool:
     """Whether a kernel input of `nbytes` bytes can be indexed element by element
     at any offset: the Triton lowering computes offsets in i32 unless the input is
     larger than 2**32 bytes, so between 2**31 and 2**32 bytes the elements past
-    byte 2**31 of a 1-byte dtype fault (notes/pallas_gpu.md, measured); wider
+    byte 2**31 of a 1-byte dtype fault (measured on the H200); wider
     dtypes keep their element offsets below 2**31."""
     return nbytes <= 2**31 or nbytes > 2**32
 
@@ -50,8 +50,8 @@ def narrow_offsets_safe(nbytes: int) -> bool:
 def _bool_mask(mask):
     """`mask`, checked to be boolean. The Triton lowering rejects any other load or store
     mask when it compiles for the GPU, while interpret mode takes an int mask as its truth
-    value: session 18's trial of an unrolled token loop passed ``~False`` (the int -1) and
-    only failed on the H200. Checking here makes the CPU tests fail the same way."""
+    value, so a mask such as ``~False`` (the int -1) would pass on the CPU and fail only
+    on the GPU. Checking here makes the CPU tests fail the same way."""
     dtype = getattr(mask, "dtype", type(mask))
     if dtype not in (bool, jax.numpy.bool_):
         raise TypeError(f"a load / store mask must be boolean, got {dtype}")
@@ -90,22 +90,14 @@ def kernel_numerics(tab_ref, interpret: bool) -> dict:
     """The keyword arguments a kernel body gives ``numerics.compress_pool``: its exp table
     lookup and, compiled for an NVIDIA GPU, one PTX instruction for each of the multiply
     (``mul_rn``), the bf16 rounding (``bf16_round_rn``) and the Hadamard's -0 -> +0
-    (``plus_zero_rn``), and the fp8 conversion's own saturation in place of the clip
-    (session 17). Interpret mode and ROCm get the numerics' defaults.
+    (``plus_zero_rn``), and the fp8 conversion's own saturation in place of the clip.
+    Interpret mode and ROCm get the numerics' defaults.
 
-    Tried and not kept (session 16, run 2): the exp's exact reduction steps d - k * (part of
-    ln2/64) as one fma.rn.f32 each (the same bits, 12 fewer instructions per pooled
-    element): 2-3 % faster compression at 128k tokens, 3 % slower at 32k, 0.12 us slower
-    decode at B = 256, next_n 4. Session 17 (runs 1-4): a 256-entry exp table with a
-    two-part reduction (its second product through ``mul_rn``) and a quadratic, four
-    instructions fewer per exp and other bits (the vLLM vectors still byte-exact): 5 %
-    faster compression at 128k tokens, 1 % slower at 32k, 0.13-0.16 us slower decode at
-    next_n 4 (the reduction's rounded product; with the 64-entry table and cubic kept, the
-    same), so not kept (docs/results/2026-12-01_s17_exp256.patch). Session 18 (run 1): the
-    pooling's weights by a knockout (``numerics.softmax_weights_knockout``: three exps for
-    four scores and six selects, the same bits) made compression 2 % slower at 32k tokens
-    and 4 % at 128k, and the decode update 0.12-0.19 us slower at next_n 4, so only the
-    decode update at next_n 1 takes it (``decode_update._knockout_weights``)."""
+    The pooling's weights stay the four-exp ``numerics.softmax_weights`` here: the
+    knockout form (``numerics.softmax_weights_knockout``, three exps and six selects, the
+    same bits) makes compression 2 % slower at 32k tokens and 4 % at 128k on the H200
+    (docs/benchmarks.md), so only the decode update at next_n 1 takes it
+    (``decode_update._knockout_weights``)."""
     return dict(exp_lookup=table_lookup(tab_ref), mul=mul_rn(interpret), bf16_round=bf16_round_rn(interpret),
                 zero_plus=plus_zero_rn(interpret), fp8_saturates=_ptx(interpret))
 

@@ -1,4 +1,4 @@
-"""Shared numerics of the kpool indexer (spec section 2), used verbatim by the
+"""Shared numerics of the kpool indexer (docs/semantics.md 2), used verbatim by the
 Pallas kernel bodies and by the XLA reference so both perform the same float
 operations in the same order.
 
@@ -39,24 +39,20 @@ def positive_zero(x):
 def hadamard128(x, zero_plus=None):
     """Unnormalised Walsh-Hadamard transform over the last axis (size 128), f32.
 
-    The spec's in-place butterfly (2.1): the stage with stride s = 1, 2, ..., 64 pairs
+    The in-place butterfly of docs/semantics.md 2.1: the stage with stride s = 1, 2, ..., 64 pairs
     elements i and i + s (bit s of i clear) and writes a + b at i and a - b at i + s.
     Each stage views the values as [..., G, 2, s], moves the pair axis last, takes
     the pair apart (``lax.unstack``: a Triton split) and puts (a + b, a - b) back in
     place (``lax.stack``: a join), so the bits are the butterfly's: one fp32 add or
     subtract of the same operands per output.
 
-    -0 inputs become +0 first (``zero_plus``, default ``positive_zero``): the form used
-    until session 13 summed each pair with an XLA reduction that starts from +0 and so
-    never gave -0, and this keeps its bits for every normal input and signed zero (not
-    for subnormals on XLA's CPU backend, which flushes them to zero with their sign).
-    After that no stage can make a -0 (a + b and a - b are -0 only for -0 operands),
-    so XLA and Triton agree on signed zeros.
-
-    History: until session 13 each stage moved the pairs into a new order
-    (constant geometry: a masked product with +-1 and a 2-element sum); this form is
-    7-8 % faster in the compression kernel and 4 % in the decode update on the H200
-    with the same bits (session 14, benchmarks/probe_compress.py).
+    -0 inputs become +0 first (``zero_plus``, default ``positive_zero``). After that no
+    stage can make a -0 (a + b and a - b are -0 only for -0 operands), so XLA and Triton
+    agree on signed zeros, and the bits equal those of a constant-geometry form that sums
+    each pair with an XLA reduction starting from +0 (tests/numerics_forms.py; every
+    normal input and signed zero, not subnormals on XLA's CPU backend, which flushes them
+    to zero with their sign). The in-place form is 7-8 % faster than that one in the
+    compression kernel and 4 % in the decode update on the H200 (docs/benchmarks.md).
     """
     lead = x.shape[:-1]
     x = (positive_zero if zero_plus is None else zero_plus)(x)              # -0 -> +0
@@ -120,8 +116,8 @@ def rounded(p):
     multiply and the add: the multiply must round on its own. ``c + rounded(a * b)`` is
     the separately rounded multiply and add on every backend, whatever it contracts
     (XLA on CPU and GPU by fusion context, Triton and NVPTX by default). One integer
-    instruction, against the four partial products of ``mac``. Used since session 13
-    by ``exp_f32``, ``recip_f32`` and ``mac_bf16``.
+    instruction, against the four partial products of ``mac``. Used by ``exp_f32``,
+    ``recip_f32`` and ``mac_bf16``.
     """
     return _f32(jnp.minimum(_u32(p), np.uint32(0xFFFFFFFE)))
 
@@ -134,7 +130,7 @@ def mul_rounded(a, b):
     ``_backend.mul_rn``, one ``mul.rn.f32`` instruction (PTX never contracts a multiply
     with an explicit rounding mode, and LLVM cannot look into inline assembly), which
     saves ``rounded``'s integer min. Both are the correctly rounded IEEE product, so they
-    give the same bits for every product that is not a NaN (session 16).
+    give the same bits for every product that is not a NaN.
     """
     return rounded(a * b)
 
@@ -198,10 +194,8 @@ def exp_f32(d, lookup=None, mul=None):
     constant). e**r = 1 + q with q = r (1 + r (1/2 + r/6)) (Horner; r**4/24 < 2**-30)
     and T e**r = T + T q. Every product that meets an add goes through ``mul``
     (``mul_rounded``), so the multiply rounds on its own whatever the compiler contracts.
-
-    History: sessions 1-7 used a degree-9 polynomial of exact four-product steps; session
-    8 the table with exact 12 x 12-bit partial products (42 % fewer instructions); session
-    13 this form (the same table and reduction, max error 1.10 ulp against 1.12).
+    The maximum error is 1.10 ulp; test_numerics holds it within 1 ulp of the correctly
+    rounded e**d.
     """
     return _exp_clamped(jnp.clip(d, -87.0, 88.0), lookup, mul)
 
@@ -210,16 +204,15 @@ def exp_nonpositive_f32(d, lookup=None, mul=None):
     """``exp_f32`` for d <= 0 (the pooling's d = s - max s), with its bits: the clamp
     is the lower bound alone (d > 88 cannot occur), and the power of two is applied to
     the bits (below). Domain: d <= 0 and not NaN (the pooling's d is finite for finite
-    gates); a NaN d gives an unspecified value (until session 15, NaN; the GPU's clamp
-    already made it -87 there while XLA kept the NaN).
+    gates); a NaN d gives an unspecified value.
 
     2**(k >> 6) by the bits: for d in [-87, 0], k >> 6 is in [-126, 0], and e = T (1 + q)
     is in [1, 2] wherever k >> 6 = -126 (there k >= -8033, so T[k & 63] >= 2**(31/64));
     elsewhere e > 1 - 2**-23. So e * 2**(k >> 6) is a normal number, the multiply is
     exact, and its bits are e's plus (k >> 6) << 23 = (kb << 17) & 0xFF800000 (mod
     2**32: 0x4B400000 << 17 wraps to 0). One integer add instead of building 2**(k >> 6)
-    and multiplying (session 16; ``exp_f32`` keeps the multiply, whose overflow and
-    underflow past this range it needs)."""
+    and multiplying (``exp_f32`` keeps the multiply, whose overflow and underflow past
+    this range it needs)."""
     return _exp_clamped(jnp.maximum(d, -87.0), lookup, mul, scale_by_bits=True)
 
 
@@ -230,8 +223,8 @@ def _exp_clamped(d, lookup=None, mul=None, scale_by_bits=False):
     product feeds the add), 0x4B400000 + k, instead of a float-to-int conversion: the
     conversion clamps to the int32 range first (two more instructions on the H200) and
     runs on the slow conversion pipe. T's index is those bits & 63 (0x4B400000 is a
-    multiple of 64) and 2**(k >> 6) comes from their top bits. Same bits as sessions
-    13-14's ``kf.astype(int32)`` form (``glm5_jax.testing.session14_exp_f32``, test_numerics).
+    multiple of 64) and 2**(k >> 6) comes from their top bits. Same bits as the
+    ``kf.astype(int32)`` form (``exp_f32_by_conversion`` in tests/numerics_forms.py).
     """
     lookup = exp_table_lookup if lookup is None else lookup
     mul = mul_rounded if mul is None else mul
@@ -252,8 +245,8 @@ def _exp_clamped(d, lookup=None, mul=None, scale_by_bits=False):
 def recip_f32(b, mul=None):
     """1 / b for positive normal f32 b: bit-trick seed + 4 Newton steps y (2 - b y),
     the product b y rounded on its own (``mul``: ``mul_rounded``); at most 1.5 ulp (2.0
-    with session 8-12's exact four-product steps, whose bits ``testing.session12_recip_f32``
-    keeps)."""
+    with exact four-product steps instead, ``recip_f32_newton_mac`` in
+    tests/numerics_forms.py)."""
     mul = mul_rounded if mul is None else mul
     y = _f32(np.uint32(0x7EF311C3) - _u32(b))
     for _ in range(4):
@@ -272,9 +265,9 @@ def e4m3_bits(v):
     """float8_e4m3fn bit pattern (uint8) of f32 v with |v| <= 448 (callers clip first),
     round to nearest even: the dtype conversion, which rounds that way in XLA (CPU and
     GPU) and in Pallas's Triton (the hardware's cvt.rn.satfinite), with the same bits as
-    ml_dtypes (test_numerics). Sessions 1-12 built the code from integer bit operations
-    (``testing.session12_e4m3_bits``, the same bits); the conversion makes the
-    compression kernel 4-5 % faster on the H200 (session 13, run 6)."""
+    ml_dtypes (test_numerics). Building the code from integer bit operations gives the
+    same bits; the conversion makes the compression kernel 4-5 % faster on the H200
+    (docs/benchmarks.md)."""
     return lax.bitcast_convert_type(v.astype(FP8), jnp.uint8)
 
 
@@ -320,14 +313,13 @@ def rotate_quant(x, bf16_round=None, zero_plus=None, fp8_saturates=False):
 
 def mac_bf16(c, k, e, mul=None):
     """c + k*e for the pooled sum (k a bf16-valued key, e an exp weight): the product
-    rounded on its own (``mul``: ``mul_rounded``), then the add. Sessions 8-12 split e into
-    two 12-bit halves for two exact partial products instead (other bits, one more
-    instruction)."""
+    rounded on its own (``mul``: ``mul_rounded``), then the add. (Two exact partial
+    products from 12-bit halves of e would give other bits for one more instruction.)"""
     return c + (mul_rounded if mul is None else mul)(k, e)
 
 
 def softmax_weights(s, exp):
-    """The pooling's weights e_j = exp(s_j - max s) (spec 2.2) for the R scores s (arrays of
+    """The pooling's weights e_j = exp(s_j - max s) (docs/semantics.md 2.2) for the R scores s (arrays of
     one shape): the max taken left to right, then one ``exp`` per score. The reference's form."""
     m = s[0]
     for j in range(1, len(s)):
@@ -338,7 +330,7 @@ def softmax_weights(s, exp):
 def softmax_weights_knockout(s, exp):
     """``softmax_weights`` with one exp fewer at R = 4 (kpool 4; any other R: that form), the
     same bits wherever the scores are finite. The decode update's form at one token per
-    request (session 18; ``decode_update._knockout_weights``).
+    request (``decode_update._knockout_weights``).
 
     A knockout of the four scores: s0 meets s1 and s2 meets s3, then the two winners meet.
     The final's winner is the max m, and its weight is exp(m - m) = exp(0), exactly 1 (the
@@ -367,7 +359,7 @@ def softmax_weights_knockout(s, exp):
 
 def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=None, zero_plus=None,
                   fp8_saturates=False, weights=None):
-    """Softmax-gated pooling of one pool (spec 2.2), then rotation + fp8.
+    """Softmax-gated pooling of one pool (docs/semantics.md 2.2), then rotation + fp8.
 
     keys, gates: sequences of R arrays [..., 128] bf16 (slot j = pos % R order).
     ape_rows: sequence of R arrays [128] (or broadcastable) f32.
@@ -379,24 +371,25 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
     bf16_round, zero_plus, fp8_saturates: the kernels' forms of ``round_bf16``, of the
     Hadamard's -0 -> +0 (``positive_zero``) and of the clip before the fp8 conversion
     (``quant_fp8``); compiled kernels pass one PTX instruction each for the first two
-    and leave the clip to the saturating conversion (session 17; the same bytes).
+    and leave the clip to the saturating conversion (the same bytes).
     weights: the softmax weights' form (default ``softmax_weights``; the decode update
     passes ``softmax_weights_knockout`` at one token per request: one exp fewer, the same
     bits for finite scores).
     Two-pass softmax with explicit left-to-right sums, so every backend adds in the
     same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
 
-    Until session 14 the pooled sum started from 0 + k_0 e_0. Without the add it can
-    end at -0 where it ended at +0 (all products +-0, the first -0), and nothing
-    else changes: x = -0 and +0 give the same bytes, as ``hadamard128`` maps -0 to +0
-    first (test_numerics checks the pools of such rows against the old form).
+    The pooled sum starts from the first product k_0 e_0, not from 0 + k_0 e_0. The two
+    differ only in the sign of a zero sum (all products +-0, the first -0: -0 here, +0
+    from 0), and x = -0 and +0 give the same bytes, as ``hadamard128`` maps -0 to +0
+    first (test_numerics checks such pools against ``compress_pool_sum_from_zero`` in
+    tests/numerics_forms.py).
     """
     r = len(keys)
     s = [gates[j].astype(jnp.float32) + ape_rows[j] for j in range(r)]
     mul = mul_rounded if mul is None else mul
     e = (softmax_weights if weights is None else weights)(s, lambda d: exp_nonpositive_f32(d, exp_lookup, mul))
     den = e[0]
-    acc = mul(keys[0].astype(jnp.float32), e[0])           # (0 + that until session 14: see below)
+    acc = mul(keys[0].astype(jnp.float32), e[0])           # no 0 + (see above)
     for j in range(1, r):
         den = den + e[j]
         acc = mac_bf16(acc, keys[j].astype(jnp.float32), e[j], mul)
@@ -405,7 +398,7 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
 
 
 def fwht_quant_rows(q):
-    """Query side (spec 2.3): q[..., 128] bf16 -> (q8 e4m3fn, scale f32)."""
+    """Query side (docs/semantics.md 2.3): q[..., 128] bf16 -> (q8 e4m3fn, scale f32)."""
     return rotate_quant(q.astype(jnp.float32))
 
 

@@ -1,4 +1,4 @@
-"""Kernel: expand selected pools to token indices and append the tail (spec 5.10).
+"""Kernel: expand selected pools to token indices and append the tail (docs/semantics.md 5.10).
 
 For a row with token-granular sequence length L (= p + 1 for a query at position
 p; <= 0 for padding) and its k selected pool ids, output column c of the
@@ -6,7 +6,7 @@ p; <= 0 for padding) and its k selected pool ids, output column c of the
 
   * c < k*R:  g = c // R, o = c % R; pool_ids[g]*R + o if 0 <= pool_ids[g] < L // R,
     else -1. An id >= L // R is not a complete pool of this row: it is rejected,
-    never expanded (spec B13: uninitialised ids once became wild token indices);
+    never expanded (docs/semantics.md B13: uninitialised ids once became wild token indices);
   * c >= k*R: t = c - k*R; (L // R)*R + t if t < L % R (the incomplete pool, which
     is always attended), else -1.
 

@@ -1,4 +1,4 @@
-"""Kernel: paged indexer logits, decode and prefill (spec 2.4, 5.7, 5.8).
+"""Kernel: paged indexer logits, decode and prefill (docs/semantics.md 2.4, 5.7, 5.8).
 
     logit[b, j, m] = sum_h w'[b, j, h] * relu(dot(q8[b, j, h], K8[m]) * kscale[m])
 
@@ -45,14 +45,14 @@ from ..core import numerics as nm
 from ..core.strides import CacheStrides
 
 PAGES_PER_STEP = 4          # page-table columns gathered at once (defaults of Tuning:
-STEPS = 1                   # the fastest shape of session 9's H200 probe with the byte view,
-NUM_WARPS = 4               # benchmarks/probe_logits.py; bench_read --sweep)
+STEPS = 1                   # the fastest shape on the H200 with the byte view,
+NUM_WARPS = 4               # docs/benchmarks.md; bench_read --sweep)
 SMALL_DOT_ROWS = 32         # up to this many dot rows (decode, one query row of 32 heads): 2 warps
-SMALL_DOT_WARPS = 2         # (ncu at B = 64 x 128k: 104-108 us against 111-122 us at 4 warps,
-                            # sessions 9 and 10; at 128 rows 2 warps took 2.2x longer)
+SMALL_DOT_WARPS = 2         # (Nsight Compute at B = 64 x 128k: 104-108 us against 111-122 us at
+                            # 4 warps, docs/benchmarks.md; at 128 rows 2 warps take 2.2x longer)
 MAX_DOT_ROWS = 128          # BN * Hp: query rows per program times padded heads
 WGMMA_DOT_ROWS = 64         # from this many dot rows the f16 dot (wgmma): 4 rows x 32 heads at
-                            # 4 pages x 4 warps 1.06x / 1.03x the fp8 dot (session 11, runs 5-6)
+                            # 4 pages x 4 warps 1.06x / 1.03x the fp8 dot (docs/benchmarks.md)
 
 
 def _iota(shape, dim):
@@ -150,7 +150,7 @@ def load_pages(cache_ref, bytes_ref, s: CacheStrides, pages, ok):
     bytes_ref (the byte view) given: each key row is loaded as 8 aligned 16-byte
     groups, [G*P, 128] e4m3fn as stored, and handed to the dot transposed (Triton
     puts it in shared memory as loaded; 19 instead of 31 warp instructions per pool,
-    1.5x faster on the H200, docs/benchmarks.md session 9). bytes_ref None: the
+    1.5x faster on the H200, docs/benchmarks.md). bytes_ref None: the
     [G*P, 32] u32 key words (neighbouring lanes read neighbouring words), transposed
     and unpacked into K-major bytes.
     """
@@ -184,9 +184,9 @@ def pages_logits(qb: QueryBlock, k8t, kscale, *, bn: int, hp: int, dot: str = "f
     the dot allows imprecise accumulation, which the Pallas lowering does not set.
     "f16": the same dot on f16 operands (fp8 -> f16 is exact), which Triton runs as
     wgmma where the dot has >= 64 rows and the program >= 4 warps (prefill blocks;
-    1.03-1.06x at 4 rows x 32 heads, session 11). At decode, pools as the wgmma's
-    128 rows (f16 operands, 4 or 8 warps) took 1.45-1.76x longer than "fp8" at 2
-    warps (58-79M instructions against 36.6M), so that form was dropped.
+    1.03-1.06x at 4 rows x 32 heads on the H200). There is no decode form with the pools
+    as the wgmma's 128 rows: with f16 operands and 4 or 8 warps it takes 1.45-1.76x
+    longer than "fp8" at 2 warps (58-79M instructions against 36.6M).
     """
     if dot == "f16":
         sc = jnp.dot(qb.q8.astype(jnp.float16), k8t.astype(jnp.float16),

@@ -1,4 +1,4 @@
-"""Kernel: fused paged logits -> exact top-k pools (spec 2.4, 2.5, 5.8, 5.9).
+"""Kernel: fused paged logits -> exact top-k pools (docs/semantics.md 2.4, 2.5, 5.8, 5.9).
 
 Same result as ``topk.topk_pools`` applied to ``paged_logits.paged_logits``
 (best k pools per query row by descending logit, ties by ascending pool id, -1
@@ -48,10 +48,10 @@ from .paged_logits import (DOT_FORMS, WGMMA_DOT_ROWS, cache_views, check_geometr
 MAX_ROWS_PER_CALL = 8192
 # Program shape by the dot's rows (BN * Hp): (dot form, pages per step, warps). From
 # WGMMA_DOT_ROWS = 64 rows (prefill blocks: 4 rows x 32 heads) the f16 dot (wgmma) over
-# 2 pages per step: on the H200 (session 11, run 4, probe_fused.py, 8192 rows) 1.06x /
-# 1.13x faster than (fp8, 1, 4) at 32k / 128k context; 4 pages or 8 warps 0.71-0.89x.
-# Below 64 rows (decode) the session-1 shape, not re-measured (decode takes the
-# unfused path).
+# 2 pages per step: on the H200 (8192 rows; docs/benchmarks.md) 1.06x / 1.13x faster than
+# (fp8, 1, 4) at 32k / 128k context; 4 pages or 8 warps 0.71-0.89x. Below 64 rows
+# (decode) the fp8 dot over one page per step at 4 warps, unmeasured at these rows: decode
+# takes the unfused path.
 PREFILL_SHAPE = ("f16", 2, 4)
 DECODE_SHAPE = ("fp8", 1, 4)
 

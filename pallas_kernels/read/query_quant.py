@@ -1,4 +1,4 @@
-"""Kernel: query FWHT + fp8 quantisation (spec 2.3, 5.1).
+"""Kernel: query FWHT + fp8 quantisation (docs/semantics.md 2.3, 5.1).
 
 Reads ONLY the [rows, 128] bf16 query rows; writes ONLY its two outputs
 (q8 [rows, 128] float8_e4m3fn and scale [rows] f32). No cache access.

@@ -1,4 +1,4 @@
-"""Exact, deterministic top-k over rows of scores (spec 2.5, 5.9): ``topk_pools``.
+"""Exact, deterministic top-k over rows of scores (docs/semantics.md 2.5, 5.9): ``topk_pools``.
 
 The modules import one way: ``common`` (order keys, the streaming core, ``Tuning``,
 the constants) <- the stages ``maxima``, ``floor``, ``filter``, ``select`` and

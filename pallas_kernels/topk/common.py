@@ -1,4 +1,4 @@
-"""Kernel: exact, deterministic top-k over rows of scores (spec 2.5, 5.9).
+"""Kernel: exact, deterministic top-k over rows of scores (docs/semantics.md 2.5, 5.9).
 
 The shared floor of the ``topk`` package: order keys, the streaming core (also
 used by ``pallas_kernels.read.paged_topk``), ``Tuning`` and the constants. The stage
@@ -130,8 +130,8 @@ def kth_key(key, live, k, radix_bits: int = RADIX_BITS, bits: int = 32, skip_pre
     minimum and maximum: one reduction each) and search only below them, since the
     k-th largest shares them too whenever at least k live keys are nonzero (else
     the result is 0, as without the skip). Same result. On decode logits (positive,
-    a few binades) it skips 3 of the floor's 8 steps (ncu, session 10 run 5: 0.94M
-    instructions where N(0, 1) scores take 1.35M); N(0, 1) maxima straddle 2.0, so
+    a few binades) it skips 3 of the floor's 8 steps (Nsight Compute: 0.94M instructions
+    where N(0, 1) scores take 1.35M); N(0, 1) maxima straddle 2.0, so
     they share no bit and nothing is skipped.
     """
     bn = key.shape[0]
@@ -143,8 +143,8 @@ def kth_key(key, live, k, radix_bits: int = RADIX_BITS, bits: int = 32, skip_pre
     def step(j, t):
         # ONE reduction per step (all D digit counts at once): on the GPU a reduction
         # across warps costs a shared-memory round trip and barrier. With one sum per
-        # digit instead, a whole top-k took 155 us at 4-bit steps (128 sums) and 125 us
-        # at 2-bit steps (64 sums) in session 7's first sweep
+        # digit instead, a whole top-k takes 155 us at 4-bit steps (128 sums) and 125 us
+        # at 2-bit steps (64 sums) on the H200
         shift = (32 - radix_bits - radix_bits * j).astype(jnp.uint32)
         cand = t[:, None, None] | (d << shift)                                       # [BN, D, 1]
         ge = live[:, None, :] & (key[:, None, :] >= cand)                            # [BN, D, C]
@@ -457,9 +457,9 @@ class Tuning:
     pipeline stages; radix_bits: bits per step of the floor's radix search;
     floor_bits: how many top bits of the floor are searched (the rest cleared: a
     slightly lower floor in fewer steps); row_warps: warps of the floor kernel.
-    Defaults: session 7's H200 sweeps (docs/benchmarks.md); select_ti 32 since
-    session 10 (ncu: select 11.8 / 11.6 us against 13.1 / 12.9 at 64, [64, 131072] /
-    [64, 32768], once the fallback left the select kernel)."""
+    Defaults: the H200 sweeps of docs/benchmarks.md; select_ti 32 (Nsight Compute: the
+    select takes 11.8 / 11.6 us against 13.1 / 12.9 at 64, [64, 131072] / [64, 32768],
+    with the fallback in a launch of its own)."""
     score_chunk: int = SCORE_CHUNK
     target_programs: int = TARGET_PROGRAMS
     buckets_per_k: int = 8

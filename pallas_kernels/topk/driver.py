@@ -1,4 +1,4 @@
-"""The top-k driver: ``topk_pools`` and its mode dispatch (spec 2.5, 5.9).
+"""The top-k driver: ``topk_pools`` and its mode dispatch (docs/semantics.md 2.5, 5.9).
 
 ``topk_pools`` runs the streaming path of ``common`` in mode "stream" (``Tuning.mode``).
 Mode "filter" (the default) runs five lean kernels instead, each in its own file:

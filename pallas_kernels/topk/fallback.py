@@ -1,5 +1,5 @@
 """Kernel: the exact streaming top-k of the rows whose candidate list overflowed
-(filter mode of ``topk.topk_pools``; spec 2.5, 5.9).
+(filter mode of ``topk.topk_pools``; docs/semantics.md 2.5, 5.9).
 
 Filter mode's select (``select``) ranks a row's candidate list; a row whose
 count exceeds the list's CAP slots (skewed or tied rows: more keys >= the floor

@@ -1,4 +1,4 @@
-"""Kernel: the candidate filter of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
+"""Kernel: the candidate filter of ``topk.topk_pools`` in filter mode (docs/semantics.md 2.5, 5.9).
 
 Given the row's key floor and the runs whose maximum reaches it (``floor``:
 a row's columns are cut into M runs of RUN consecutive columns, and only a run

@@ -1,4 +1,4 @@
-"""Kernel: the key floor of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
+"""Kernel: the key floor of ``topk.topk_pools`` in filter mode (docs/semantics.md 2.5, 5.9).
 
 Same value as ``common.bucket_floor(..., bits)``, bit for bit: per row, the k-th
 largest of the row's M run maxima (``maxima``, a Pallas pass over the

@@ -1,4 +1,4 @@
-"""Kernel: the run maxima of ``topk.topk_pools``'s key floor (spec 2.5, 5.9).
+"""Kernel: the run maxima of ``topk.topk_pools``'s key floor (docs/semantics.md 2.5, 5.9).
 
 Same value as ``common.run_maxima`` (the XLA reduce), bit for bit: a row's columns
 are cut into M runs of RUN consecutive columns (``common.run_geometry``: RUN a power
@@ -10,9 +10,9 @@ pools of a 32k-token decode row at 1044 runs of 8) every lane is in bounds, so t
 load needs no mask and does not wait for the row's length. When the runs tile the
 row but not the programs (a decode row of 32,832 pools: 4,104 runs of 8, 9 programs
 of 512 runs) only whole runs past the last are masked, per run, so the lanes of a
-run stay one vectorised load (ncu at decode B = 64 x 128k: 6.4 us and 1.19M
-instructions, against 6.7 us and 1.94M with the per-lane mask of the general case;
-sessions 10-11). Otherwise (runs that straddle the row's end) every lane is masked.
+run stay one vectorised load (Nsight Compute at decode B = 64 x 128k: 6.4 us and
+1.19M instructions, against 6.7 us and 1.94M with the per-lane mask of the general
+case). Otherwise (runs that straddle the row's end) every lane is masked.
 
 Reads ONLY its inputs; writes ONLY its output: top [rows, M] u32, each entry by
 the one program that owns its run. Grid: (rows, ceil(M / G)).

@@ -1,4 +1,4 @@
-"""Kernel: the final select of ``topk.topk_pools`` in filter mode (spec 2.5, 5.9).
+"""Kernel: the final select of ``topk.topk_pools`` in filter mode (docs/semantics.md 2.5, 5.9).
 
 The row's candidate list (``filter``: the row's count n and its first n
 slots, in no particular order) holds every valid key >= the row's floor, and the
@@ -26,7 +26,8 @@ runs the exact streaming path on exactly those rows, in place in the same ids
 array (no host round trip; the second launch does nothing but read the counts
 when no row overflowed). The streaming path is kept out of this kernel because
 Triton sizes a kernel's registers for its largest path: with it inside, the select
-took 255 registers and ran at 12 % warps active (ncu, session 10).
+takes 255 registers and runs at 12 % warps active (Nsight Compute), against 148
+without.
 
 Reads ONLY its inputs; writes ONLY its output: ids [rows, k] i32, the rows
 whose list did not overflow. Masked-out lanes touch no memory.

@@ -1,4 +1,4 @@
-"""Triton kernel: batched decode update with pool completion (spec 5.4).
+"""Triton kernel: batched decode update with pool completion (docs/semantics.md 5.4).
 
 Touches ONLY, per request b and token t (in index = position order):
   * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc):

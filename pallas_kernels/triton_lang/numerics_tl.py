@@ -148,8 +148,8 @@ def round_bf16(x):
 def e4m3_code(v):
     """numerics.e4m3_bits as uint32 codes 0..255 of f32 v with |v| <= 448: the fp8
     conversion (cvt.rn.satfinite on sm_90, round to nearest even), as in the Pallas
-    kernels since session 13. Sessions 1-13 built the code from integer bit operations
-    (``glm5_jax.testing.session12_e4m3_bits``, the same bits for |v| <= 448)."""
+    kernels: the same bits as building the code from integer bit operations for
+    |v| <= 448."""
     return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
 
 

@@ -1,4 +1,4 @@
-"""Triton kernel: prefill pool compression, the flat-token writer (spec 5.2).
+"""Triton kernel: prefill pool compression, the flat-token writer (docs/semantics.md 5.2).
 
 Touches ONLY: for every token row i with i >= kpool-1 and a valid pool slot
 ``loc = slot_mapping[i]``, the 128 key bytes and the 4 scale bytes of pool slot

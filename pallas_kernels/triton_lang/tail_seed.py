@@ -1,4 +1,4 @@
-"""Triton kernel: seed each request's bf16 tail ring with its last kpool prefill tokens (spec 5.3).
+"""Triton kernel: seed each request's bf16 tail ring with its last kpool prefill tokens (docs/semantics.md 5.3).
 
 Touches ONLY: for token i with a valid tail slot that is among its request's
 last kpool tokens of the batch, the 2 x 256 bytes of ring row ``tslot % ring``

@@ -1,4 +1,4 @@
-"""Kernel: batched decode update with pool completion (spec 5.4).
+"""Kernel: batched decode update with pool completion (docs/semantics.md 5.4).
 
 Touches ONLY, per request b and token t (in index = position order):
   * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc):
@@ -7,8 +7,9 @@ Touches ONLY, per request b and token t (in index = position order):
     pos % ring of its own tail block (tslot // ring).
 It reads the kpool-1 earlier members of a completing pool from the same ring.
 
-Grid: one program per request. The bytes are the spec's walk: token by token in
-order, each completion reading the ring before the token's own stash, so a
+Grid: one program per request. The bytes are those of the walk of docs/semantics.md
+5.4: token by token in order, each completion reading the ring before the token's own
+stash, so a
 completion at the last token of a verify window sees stashes written by earlier
 tokens of the same launch. n, the static width of the [B, n] arrays, bounds the
 tokens; padding tokens (pos < 0) do nothing, so fewer or uneven tokens per
@@ -27,7 +28,7 @@ first: see ``_stash_first``; one token also takes the forms of ``_apes_in_branch
      tokens of the launch stash into one ring row only the later one writes, so no
      two stores of the launch hit one address.
   Its code grows with n * (kpool - 1) (the forwarding selects), hence the bound: at
-  kpool 16 and 32 tokens the H200's Triton compile ran for minutes (session 12).
+  kpool 16 and 32 tokens the H200's Triton compile takes minutes.
 
 "walk" (any n): the walk itself, a block barrier before each completion's reads
 and after them, so each token reads the ring after the earlier tokens' stashes.
@@ -85,8 +86,8 @@ def _load_apes(ape_ref, tab_ref, r):
 def _keys_before_exps(zero, ring_keys, gate0):
     """gate0 [128] bf16, unchanged, made to depend on the ring keys' values.
 
-    The H200's compiler issued a completion's ring key loads after the exps, where the
-    pooled sum first needs them (session 15, Nsight Compute's SASS of next_n 1): a
+    Left alone, the H200's compiler issues a completion's ring key loads after the exps,
+    where the pooled sum first needs them (Nsight Compute's SASS of next_n 1): a
     second round trip to L2 inside the dependent chain, after the gate rows'. OR-ing
     ``zero & keys`` (zero: the exp table's sign bits, all 0 but opaque) into the gate
     row that every exp depends on puts the key loads beside the gate loads. No bit
@@ -215,21 +216,20 @@ def _apes_in_branch(tokens_per_request: int, requests: int) -> bool:
     its start beside the token rows (every program): for one token per request in
     batches of at least APES_IN_BRANCH_MIN_REQUESTS. There a quarter of the programs (at
     kpool 4) complete a pool, and the others no longer compete with them for the same
-    2.3 KiB of L2 lines. H200, session 17 (device spans, the same bytes): at next_n 1
-    B = 64 / 256 1.82 / 2.02 us against 1.92 / 2.18 at the start (run 5), and B = 132
-    1.90 against 2.00 (run 2, under that session's trial exp), but B = 1 1.73 against 1.66
-    (the loads move onto the completion's chain), and at next_n 4, where every program
-    completes, 0.13-0.25 us slower at every B (runs 2-3)."""
+    2.3 KiB of L2 lines. H200 device spans (the same bytes; docs/benchmarks.md): at
+    next_n 1 B = 64 / 256 1.82 / 2.02 us against 1.92 / 2.18 with the loads at the start,
+    but B = 1 1.73 against 1.66 (the loads move onto the completion's chain), and at
+    next_n 4, where every program completes, 0.13-0.25 us slower at every B."""
     return tokens_per_request == 1 and requests >= APES_IN_BRANCH_MIN_REQUESTS
 
 
 def _knockout_weights(tokens_per_request: int) -> bool:
     """Whether the forward program takes the pooling's weights by a knockout (three exps
     for kpool 4's four scores and six selects, ``numerics.softmax_weights_knockout``; the
-    same bytes): for one token per request. H200, session 18 (device spans, run 1): at
+    same bytes): for one token per request. H200 device spans (docs/benchmarks.md): at
     next_n 1, B = 256 1.98 us against 2.02-2.05 with four exps (B = 1 level); at next_n 4,
     where every program completes a pool, 2.62-2.66 against 2.46-2.50 (B = 1 2.05
-    against 1.86); compression too was 2-4 % slower with it (``_backend.kernel_numerics``)."""
+    against 1.86); compression too is 2-4 % slower with it (``_backend.kernel_numerics``)."""
     return tokens_per_request == 1
 
 
@@ -238,7 +238,7 @@ def _stores_keep_parts(tokens_per_request: int) -> bool:
     stash's 2 x 64 ring words) from the packing sum's own shape, each word repeated along
     its bytes' axis and stored by the lanes of byte 0, instead of moving the [32] / [64]
     words into a layout of their own first (``numerics.pack_fp8_words(..., keep_parts=True)``;
-    the same bytes): for one token per request. H200, session 18 (device spans, run 2):
+    the same bytes): for one token per request. H200 device spans (docs/benchmarks.md):
     at next_n 1, B = 256 1.92 us for each of the two stores so formed against 1.95-1.98,
     B = 1 1.63 against 1.66; at next_n 4 0.13-0.26 us slower (each store, B = 256 and 1)."""
     return tokens_per_request == 1
@@ -293,10 +293,10 @@ NUM_WARPS_WINDOW = 2       # next_n >= 2 (verify windows)
 
 
 def default_num_warps(tokens_per_request: int) -> int:
-    """Warps per program for the launch's tokens per request (n, next_n). H200, session 14 (device spans, the
-    split / join Hadamard): at next_n 4, 2 warps 2.72 / 2.53 / 2.18 us at B = 256 / 64 / 1
-    against 2.94 / 2.56 / 2.18 with 4; at next_n 1, 2 warps 2.27 / 2.17 / 2.02 against
-    2.27 / 2.11 / 1.95, so one token keeps 4 (1 and 8 warps slower everywhere)."""
+    """Warps per program for the launch's tokens per request (n, next_n). H200 device spans
+    (docs/benchmarks.md, "Decode update warps"): at next_n 4, 2 warps 2.72 against 2.94 us
+    with 4 at B = 256; at next_n 1, 4 warps 1.95 / 1.73 / 1.57 us at B = 256 / 64 / 1
+    against 1.95 / 1.85 / 1.70 with 2; 1 and 8 warps slower everywhere."""
     return NUM_WARPS_WINDOW if tokens_per_request > 1 else NUM_WARPS_ONE_TOKEN
 
 

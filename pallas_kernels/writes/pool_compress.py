@@ -1,4 +1,4 @@
-"""Kernel: prefill pool compression, the flat-token writer (spec 5.2).
+"""Kernel: prefill pool compression, the flat-token writer (docs/semantics.md 5.2).
 
 Touches ONLY: for every token row i with i >= kpool-1 and a valid pool slot
 ``loc = slot_mapping[i]``, the 128 key bytes and the 4 scale bytes of pool slot
@@ -36,9 +36,10 @@ NUM_WARPS_MAX_TILE = 2       # at TILE_POOLS_MAX: 8 values of a pooled row per t
 
 def default_tile_pools(tokens: int, kpool: int) -> int:
     """Pools per program for a batch of `tokens` rows: the largest power of two <= 4 that
-    keeps >= MIN_PROGRAMS programs, at least 1. H200, session 12 (device spans from a
-    profiler trace, 64 requests): 4k tokens 4.35 us at 1 pool per program against 7.01 at
-    8; 32k 21.3 us at 4 against 23.7 at 8; 128k 77.4 us at 4 against 81.2 at 8."""
+    keeps >= MIN_PROGRAMS programs, at least 1. H200 device spans, 64 requests
+    (docs/benchmarks.md, "Compression launch shape"): 4k tokens 3.23 us at 1 pool per
+    program against 4.00 at 8; 32k 11.30 us at 4 against 11.89 at 8; 128k 39.04 us at 4
+    against 40.43 at 8."""
     tile = 1
     while tile < TILE_POOLS_MAX and (tokens // kpool) // (2 * tile) >= MIN_PROGRAMS:
         tile *= 2
@@ -46,10 +47,11 @@ def default_tile_pools(tokens: int, kpool: int) -> int:
 
 
 def default_num_warps(tile_pools: int) -> int:
-    """Warps per program: 2 at the largest tile (the big batches), else 4. H200, session
-    14 (device spans, 64 requests, split / join Hadamard): 4 pools x 2 warps 13.63 / 46.86
-    us at 32k / 128k tokens against 14.53 / 51.26 at 4 x 4 (8 x 4, the same 8 values per
-    thread, 13.84 / 47.97); 4 x 2 at 4k tokens 4.59 against 3.52 at the default 1 x 4."""
+    """Warps per program: 2 at the largest tile (the big batches), else 4. H200 device
+    spans, 64 requests (docs/benchmarks.md, "Compression launch shape"): 4 pools x 2 warps
+    11.26 / 39.02 us at 32k / 128k tokens against 13.95 / 50.50 at 4 x 8 (8 x 4, the same
+    8 values per thread, 11.89 / 40.43); 4 x 2 at 4k tokens 3.71 against 3.23 at the
+    default 1 x 4."""
     return NUM_WARPS_MAX_TILE if tile_pools >= TILE_POOLS_MAX else NUM_WARPS
 
 
@@ -81,7 +83,7 @@ def _kernel(slot_ref, key_ref, gate_ref, ape_ref, tab_ref, _cache_in, cache_ref,
         gates.append(B.gather(gate_ref, member, col, mask=m2))
     # R x [128] f32, broadcast over the tile by the pooling's adds (the compiler moves each row
     # into the pools' layout through shared memory; gathering them at [TILE, 128] indices
-    # avoids that but measured 2-5 % slower, session 15 run 3)
+    # avoids that but is 2-5 % slower on the H200)
     apes = [ape_ref[j, :] for j in range(r)]
     q8, scale = nm.compress_pool(keys, gates, apes, **B.kernel_numerics(tab_ref, interpret))   # [TILE,128], [TILE]
     _store_pools(cache_ref, s, loc, valid, q8, scale)

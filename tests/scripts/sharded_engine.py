@@ -14,7 +14,7 @@ For each mesh size N, with a tiny 1-layer model:
 3. the compiled step: one program for all devices (one trace per mesh), the
    cache donated and aliased to the output, no collective op and no copy of the
    cache in the compiled HLO, the same device buffers after a step;
-4. the serving probe (simulate, spec 6.1) with one cached prompt per shard holds
+4. the serving probe (simulate, docs/semantics.md 6.1) with one cached prompt per shard holds
    on every shard;
 5. admission is first come first served per shard: a request waiting for its
    busy prefix owner holds back later requests for that shard only;

@@ -3,7 +3,7 @@ reference and through the interpret-mode Pallas kernels.
 
 tests/test_write_kernels.py compares the digest of its own process (XLA CPU flags as
 tests/conftest.py sets them) with one from a process that runs without them, so the
-bytes of the spec's writes do not depend on which of XLA's CPU emitters compiled them.
+bytes of the cache writes do not depend on which of XLA's CPU emitters compiled them.
 
     python tests/scripts/write_digest.py SEED [CASE_INDEX]
 """

@@ -1,17 +1,18 @@
-"""Session 5 GPU diagnosis of three failures of the session's first GPU run.
+"""GPU numerics diagnosis of the read path and the model's contractions, the
+measurements behind tests/test_read_path.py's logit tolerance and behind
+``glm5_jax.model.invariant.bf16``.
 
-1. test_long_prefill_runs_in_row_chunks: are the XLA reference logits bit-equal
-   between a whole prefill and a chunked one (the einsum of fp8 may pick a
-   different GPU algorithm per shape)?
-2. test_select_tokens_vs_golden[prefill]: which path orders its selection against
-   the golden scores beyond the tolerance, and how far are each path's logits
-   from the f64 golden scores (relative to the row's largest |score| and to the
-   row's sum of |terms|)?
-3. test_projection_kernel_changes_no_byte: inside the engine's compiled step,
-   which projection (shape) differs between the XLA chain and the Pallas kernel;
-   is the XLA engine itself deterministic run to run?
-usage: python3 tests/scripts/gpu_diag_s5.py [seeds] [parts, e.g. 0,3]
-(0: does XLA keep a bf16 round trip before f32 arithmetic?)
+0. Does XLA keep a plain f32 -> bf16 -> f32 round trip before f32 arithmetic (it may
+   drop it under xla_allow_excess_precision), and does ``invariant.bf16``?
+1. Are the XLA reference's logits bit-equal between a whole prefill and the same
+   rows in chunks (a GPU dot may pick another algorithm per shape)?
+2. How far are each implementation's logits from the f64 golden scores (relative to
+   the row's largest |score| and to the row's sum of |terms|), and how far does each
+   read path's selection invert the golden order, against LOGIT_RTOL?
+3. Inside the engine's compiled step: which projection (shape) differs between the
+   XLA chain and the Pallas kernel, and is the XLA engine deterministic run to run?
+
+usage: python3 tests/scripts/gpu_numerics_diag.py [seeds] [parts, e.g. 0,3]
 """
 import sys
 
