@@ -126,7 +126,7 @@ def once(eng, model, best):
     flat = sharding.put_per_shard(best["flat"], mesh)
     prev = sharding.put_per_shard(np.zeros((1, eng.tokens_out), np.int32), mesh)
     cache, _, _ = eng_mod._step(state, cache, flat, prev, fields=best["fields"], graphdef=eng._graphdef,
-                                layout=eng.layout, implementation=eng.implementation, fault=None, mesh=mesh,
+                                layout=eng.layout, implementation=eng.implementation, mesh=mesh,
                                 contractions=invariant.contractions(), tokens_out=eng.tokens_out)
     return sharding.host_shard(cache, 0)
 

@@ -221,6 +221,7 @@ def engine_for(w: Workload, model, num_blocks: int, mesh, *, dry_run: bool = Fal
     it records selections and snapshots of the re-hits and controls only (the
     probe compares those; a whole-cache host copy per finished filler would cost
     more than the step on a GPU-sized cache)."""
+    from .layout import with_fault
     from .serving.engine import Engine
     from .serving.step_metadata import BucketMins, bucket
     bs = w.model_config.indexer.block_size
@@ -233,7 +234,8 @@ def engine_for(w: Workload, model, num_blocks: int, mesh, *, dry_run: bool = Fal
     compared = (lambda rid: str(rid).startswith(("rehit", "control"))) if not dry_run else False
     return Engine(model, num_blocks, mesh=mesh, max_running_requests=w.concurrency,
                   max_prefill_requests=w.max_prefill_requests, prefill_chunk_tokens=w.prefill_chunk_tokens,
-                  bucket_mins=mins, implementation=w.implementation, fault=w.fault, record=compared,
+                  bucket_mins=mins, implementation=w.implementation,
+                  layout=with_fault(model.config.layout(num_blocks), w.fault), record=compared,
                   snapshot_on_finish=compared, dry_run=dry_run, async_scheduling=w.async_scheduling)
 
 

@@ -50,7 +50,7 @@ overwrites them before any committed query can read them (spec 5.4). The ring
 is sized for that (``IndexerConfig.num_spec_tokens >= next_n - 1``).
 
 Every step is one call of a module-level ``jax.jit`` function whose static
-arguments are the model structure, layout, implementation, fault and mesh; shapes are
+arguments are the model structure, layout, implementation and mesh; shapes are
 bucketed, so a steady workload reuses its compiled executables. ``compilations``
 counts traces (= compilations) this engine caused.
 """
@@ -71,7 +71,7 @@ from pallas_kernels.core import addressing as addr
 
 from .. import metadata as md
 from .. import ops
-from ..layout import CacheLayout
+from ..layout import CacheLayout, with_fault
 from ..model import invariant as inv
 from ..model.decoder import Decoder
 from . import sharding
@@ -107,7 +107,7 @@ def unpack_step_arrays(flat, fields) -> dict:
     return out
 
 
-def _step_impl(state, cache, flat, prev_tok, *, fields, graphdef, layout, implementation, fault, mesh,
+def _step_impl(state, cache, flat, prev_tok, *, fields, graphdef, layout, implementation, mesh,
                contractions, tokens_out):
     """One step on every device: cache [D, words], the packed step arrays flat [D, total]
     i32 (``pack_step_arrays``) and the previous step's next tokens prev_tok [D,
@@ -127,14 +127,13 @@ def _step_impl(state, cache, flat, prev_tok, *, fields, graphdef, layout, implem
         batch = unpack_step_arrays(flat, fields)
         src = batch.pop("dec_token_src")                                    # [Bd, Nd], -1 = host token
         batch["dec_token_ids"] = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], batch["dec_token_ids"])
-        cache, next_tok, selected = model(cache, batch, layout=layout, implementation=implementation,
-                                          fault=fault)
+        cache, next_tok, selected = model(cache, batch, layout=layout, implementation=implementation)
         return cache, jnp.pad(next_tok, (0, tokens_out - next_tok.shape[0])), selected
 
     return sharding.per_shard(one_device, mesh, replicated_args=1)(state, cache, flat, prev_tok)
 
 
-_step = jax.jit(_step_impl, static_argnames=("fields", "graphdef", "layout", "implementation", "fault", "mesh",
+_step = jax.jit(_step_impl, static_argnames=("fields", "graphdef", "layout", "implementation", "mesh",
                                              "contractions", "tokens_out"),
                 donate_argnames=("cache",))
 
@@ -326,8 +325,9 @@ class Engine:
     prompt lookup), ``record`` (keep each position's selected tokens and greedy
     prediction; they reach the host in the background, within RECORD_LAG_STEPS
     steps, and ``get_output`` returns them), ``snapshot_on_finish`` (keep a request's cache bytes at finish;
-    both take a bool or a predicate ``request_id -> bool``), ``fault``
-    (inject a historical bug), ``dry_run`` (schedule and allocate blocks only: no
+    both take a bool or a predicate ``request_id -> bool``), ``layout`` (the cache
+    layout: default ``model.config.layout(num_blocks)``; the corruption probe passes
+    ``glm5_jax.layout.with_fault`` of it), ``dry_run`` (schedule and allocate blocks only: no
     model, no cache, every prediction 0), ``async_scheduling`` (below).
 
     Asynchronous scheduling (``async_scheduling=True`` or a number of steps kept in
@@ -348,12 +348,17 @@ class Engine:
 
     def __init__(self, model: Decoder, num_blocks: int, *, mesh=None, max_running_requests: int = 8,
                  max_prefill_requests: int = 2, prefill_chunk_tokens: int = 128, next_n: int = 1,
-                 bucket_mins: BucketMins = BucketMins(), implementation=None, fault=None,
+                 bucket_mins: BucketMins = BucketMins(), implementation=None, layout=None,
                  chunk_policy=None, draft_fn=None, record=False, snapshot_on_finish=False,
                  dry_run: bool = False, async_scheduling: bool | int = False):
         cfg = model.config
         self.model = model
         self.layout: CacheLayout = cfg.layout(num_blocks)
+        if layout is not None:
+            if not isinstance(layout, CacheLayout) or with_fault(layout, None) != self.layout:
+                raise ValueError(f"layout must be the model's layout of {num_blocks} blocks "
+                                 f"(model.config.layout(num_blocks), or with_fault of it), got {layout!r}")
+            self.layout = layout
         self.config = cfg.indexer
         for name, v in (("max_running_requests", max_running_requests),
                         ("max_prefill_requests", max_prefill_requests),
@@ -376,7 +381,6 @@ class Engine:
         self.next_n = next_n
         self.bucket_mins = bucket_mins
         self.implementation = ops.default_implementation() if implementation is None else implementation
-        self.fault = fault
         self.chunk_policy = chunk_policy
         self.draft_fn = draft_fn
         self.record = record
@@ -698,7 +702,7 @@ class Engine:
             prev = self._no_prev
         self.cache, next_tok, selected = _step(self._state, self.cache, flat, prev, fields=fields,
                                                graphdef=self._graphdef, layout=self.layout,
-                                               implementation=self.implementation, fault=self.fault,
+                                               implementation=self.implementation,
                                                mesh=self.mesh, contractions=inv.contractions(),
                                                tokens_out=self.tokens_out)
         mark("dispatch")
@@ -851,7 +855,7 @@ class Engine:
         flat, fields = self._batch(shape, [empty] * self.num_shards)
         prev = sharding.put_per_shard(np.zeros((self.num_shards, self.tokens_out), np.int32), self.mesh)
         return _step.lower(self._state, self._live_cache(), flat, prev, fields=fields, graphdef=self._graphdef,
-                           layout=self.layout, implementation=self.implementation, fault=self.fault,
+                           layout=self.layout, implementation=self.implementation,
                            mesh=self.mesh, contractions=inv.contractions(), tokens_out=self.tokens_out)
 
     def _block_words(self, blocks) -> np.ndarray:
