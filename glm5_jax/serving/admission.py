@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from .requests import ABORTED, FINISHED, RUNNING, WAITING, Request
+from .requests import ABORTED, FAILED, FINISHED, RUNNING, WAITING, Request
 from .step_metadata import RowSpec, StepShape
 
 
@@ -139,9 +139,22 @@ class Scheduler:
             self.running.remove(req)
             self.block_pools[req.shard].release(request_id)   # a step in flight wrote them before any reuse
             req.pending.clear()                               # its in-flight tokens are dropped
+            req.status = ABORTED
         elif req.status == WAITING:
             self.waiting.remove(req)
-        req.status = ABORTED if req.status != FINISHED else req.status
+            req.status = ABORTED
+
+    def fail(self, req: Request, error: str) -> None:
+        """A running request whose results of a dispatched step are lost: it ends with
+        status FAILED and `error`, its committed tokens kept, its blocks released (a
+        step in flight writes them before any reuse)."""
+        if req.status != RUNNING:
+            return
+        self.running.remove(req)
+        self.block_pools[req.shard].release(req.request_id)
+        req.pending.clear()
+        req.num_computed_tokens = req.num_committed_tokens
+        req.status, req.error = FAILED, error
 
     def finish(self, req: Request) -> None:
         """A running request that generated all its tokens: its blocks go back."""
@@ -191,7 +204,7 @@ class Scheduler:
                 continue
             admitted.append(req)
             req.status = RUNNING
-            req.num_cached_tokens = req.num_computed_tokens = placed.num_cached_tokens
+            req.num_cached_tokens = req.num_computed_tokens = req.num_committed_tokens = placed.num_cached_tokens
             self.running.append(req)
         if admitted:
             done = {id(r) for r in admitted}

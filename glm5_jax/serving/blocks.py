@@ -234,6 +234,18 @@ class BlockPool:
                 if self._hash[b] is None:
                     self._free.move_to_end(b, last=False)
 
+    def drop_cached(self) -> int:
+        """Forget every cached block (the engine lost the cache bytes they named): the
+        prefix cache becomes empty, the free queue keeps its order. Every request must
+        have been released first (ValueError otherwise). Returns the blocks forgotten."""
+        if self._requests:
+            raise ValueError(f"drop_cached with {len(self._requests)} requests holding blocks")
+        for b in self._cached.values():
+            self._hash[b] = None
+        n = len(self._cached)
+        self._cached.clear()
+        return n
+
     # ---- allocation ----------------------------------------------------------------
     def _take(self, owner: int) -> int:
         b, _ = self._free.popitem(last=False)

@@ -91,6 +91,7 @@ class Launch:
     shape: StepShape
     next_tok: object            # [D, tokens_out] i32 on the devices (zeros on the host in a dry run)
     sel: list | None = None     # Recorder.fetch_selected's result
+    committed: set = dataclasses.field(default_factory=set)    # id() of the requests whose results are applied
 
 
 class Dispatcher:

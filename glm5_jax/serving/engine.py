@@ -49,14 +49,33 @@ from .blocks import BlockPool
 from .commit import Committer
 from .dispatch import TRACES, Dispatcher, Launch, _step, fetch_tokens, total_traces
 from .recording import RECORD_LAG_STEPS, Recorder, scribble_free_blocks
-from .requests import ABORTED, FINISHED, RUNNING, WAITING, RequestOutput, output_of
+from .requests import ABORTED, FAILED, FINISHED, RUNNING, WAITING, RequestOutput, output_of
 from .stats import STEP_PHASES, EngineStats, PhaseClock
 from .step_builder import pack_step_arrays, shard_step_arrays, unpack_step_arrays
 from .step_metadata import BucketMins, StepShape, bucket, choose_shape
 
-__all__ = ["Engine", "RequestOutput", "WAITING", "RUNNING", "FINISHED", "ABORTED", "STEP_PHASES",
+__all__ = ["Engine", "EngineStepError", "RequestOutput", "WAITING", "RUNNING", "FINISHED", "ABORTED", "FAILED",
+           "STEP_PHASES",
            "RECORD_LAG_STEPS", "prompt_lookup_drafts", "common_shape", "pack_step_arrays",
            "unpack_step_arrays", "total_traces"]
+
+
+class EngineStepError(RuntimeError):
+    """An exception inside ``Engine.step`` (the original is ``__cause__``), raised once
+    the engine is consistent again: ``phase`` (plan, batch, dispatch, fetch_selected,
+    device_wait or commit) of step number ``step`` raised; ``failed``: ids of the
+    requests that ended with status "failed" (their results of that step are lost);
+    ``finished``: ids of the requests that finished in this call before it raised.
+    The engine serves on: the next ``step()`` plans again."""
+
+    def __init__(self, phase: str, step: int, failed: list, finished: list):
+        self.phase, self.step, self.failed, self.finished = phase, step, list(failed), list(finished)
+        what = f"requests {self.failed} failed" if self.failed else "no request was affected"
+        super().__init__(f"step {step}: {phase} raised; {what}")
+
+    def __str__(self):
+        cause = self.__cause__
+        return super().__str__() + (f": {type(cause).__name__}: {cause}" if cause is not None else "")
 
 
 def _delegated(part: str, name: str, doc: str) -> property:
@@ -247,37 +266,50 @@ class Engine:
     def step(self) -> list:
         """Run one engine step on every shard. Returns the ids of requests that finished in
         it (with asynchronous scheduling: finished in the step before, whose results
-        this call committed)."""
+        this call committed).
+
+        An exception inside the step leaves the engine consistent and is raised as
+        EngineStepError (from the original): before the step reached the devices
+        nothing changed (the next call plans it again); after, the requests whose
+        results it lost end with status "failed" (``docs/engine_failures.md``)."""
         clock = PhaseClock()
-        self._scheduler.admit()
-        plans = self._scheduler.plan(self.steps - 1)
-        idle = all(p.empty for p in plans)
-        if idle and not self._dispatcher.inflight:
-            return []
-        traced, gathers_before, launch = 0, TRACES.gather, None
-        if not idle:
-            shape = common_shape(choose_shape(self.config, p.dec_rows, p.pre_rows, next_n=self.next_n,
-                                              mins=self.bucket_mins) for p in plans)
+        phase = "plan"
+        try:
+            self._scheduler.admit()
+            plans = self._scheduler.plan(self.steps - 1)
+            idle = all(p.empty for p in plans)
+            if idle and not self._dispatcher.inflight:
+                return []
+            if not idle:
+                shape = common_shape(choose_shape(self.config, p.dec_rows, p.pre_rows, next_n=self.next_n,
+                                                  mins=self.bucket_mins) for p in plans)
+        except Exception as e:
+            raise EngineStepError(phase, self.steps, [], []) from e
         clock.mark("plan")
         t0 = time.perf_counter()
-        if not idle:
-            before = TRACES.step
-            launch = self._launch(plans, shape, clock)
-            traced = TRACES.step - before
+        traced, gathers_before, launch = TRACES.step, TRACES.gather, None
+        try:
+            if not idle:
+                launch = self._launch(plans, shape, clock)
+        finally:
+            traced = TRACES.step - traced
             self._stats.compilations += traced
-            self._committer.advance(launch)
-            self._stats.shapes_seen.add(shape)
-            self._stats.steps += 1
-            self._dispatcher.inflight.append(launch)
         # commit the oldest step once more than async_scheduling are in flight (at once when
         # synchronous; every one left when nothing new was dispatched)
         done = self._dispatcher.take_done(self.async_scheduling, dispatched=launch is not None)
         finished = []
         if done is not None:
-            next_tok = fetch_tokens(done)                                     # [D, tokens_out]
-            clock.mark("device_wait")
-            finished = self._committer.commit(done, next_tok, None if self.dry_run else self.cache,
-                                              self.steps - 1)
+            phase = "device_wait"
+            try:
+                next_tok = fetch_tokens(done)                                     # [D, tokens_out]
+                clock.mark("device_wait")
+                phase = "commit"
+                finished, errors = self._committer.commit(done, next_tok, None if self.dry_run else self.cache,
+                                                          self.steps - 1)
+                if errors:
+                    raise errors[0][1]
+            except Exception as e:
+                raise EngineStepError(phase, done.step, self._fail_launch(done, phase, e), finished) from e
             clock.mark("commit")
         compiled = bool(traced) or TRACES.gather != gathers_before
         self._stats.add_step_time(time.perf_counter() - t0, compiled, clock.seconds)
@@ -290,24 +322,77 @@ class Engine:
         return sharding.put_per_shard(flat, self.mesh), fields
 
     def _launch(self, plans, shape: StepShape, clock) -> Launch:
-        """Batch and dispatch one step (it runs on the devices when this returns) and
-        start its recorded rows' fetch; nothing here waits for a device."""
+        """Batch and dispatch one step (it runs on the devices when this returns), start
+        its recorded rows' fetch, advance its requests and queue it in flight; nothing
+        here waits for a device."""
+        step = self.steps
         if self.dry_run:
-            return Launch(self.steps, plans, shape, self._dispatcher.dry_tokens())
-        if shape.num_tokens > self.tokens_out:
-            raise AssertionError(f"a step of {shape.num_tokens} tokens exceeds tokens_out = {self.tokens_out}")
-        flat, fields = self._batch(shape, plans)
-        clock.mark("batch")
-        d = self._dispatcher
-        self.cache, next_tok, selected = _step(d.state, self.cache, flat, d.prev_tokens(), **d.static_args(fields))
-        clock.mark("dispatch")
-        next_tok.copy_to_host_async()
-        # the recorded rows' gather is queued behind the step before the host waits
-        # for anything: its host side (row lists, the index array) overlaps the device
-        launch = Launch(self.steps, plans, shape, next_tok)
-        launch.sel = self._recorder.fetch_selected(plans, shape, selected, self.steps)
-        clock.mark("fetch_selected")
+            launch = Launch(step, plans, shape, self._dispatcher.dry_tokens())
+        else:
+            try:
+                if shape.num_tokens > self.tokens_out:
+                    raise AssertionError(f"a step of {shape.num_tokens} tokens exceeds tokens_out = "
+                                         f"{self.tokens_out}")
+                flat, fields = self._batch(shape, plans)
+            except Exception as e:
+                raise EngineStepError("batch", step, [], []) from e
+            clock.mark("batch")
+            d, cache = self._dispatcher, self.cache
+            try:
+                self.cache, next_tok, selected = _step(d.state, cache, flat, d.prev_tokens(),
+                                                       **d.static_args(fields))
+            except Exception as e:
+                # the step consumed the donated cache (its bytes are gone) or never ran
+                failed = self._lose_cache(step, e) if cache.is_deleted() else []
+                raise EngineStepError("dispatch", step, failed, []) from e
+            clock.mark("dispatch")
+            launch = Launch(step, plans, shape, next_tok)
+        phase = "fetch_selected"
+        try:
+            if not self.dry_run:
+                launch.next_tok.copy_to_host_async()
+                # the recorded rows' gather is queued behind the step before the host waits
+                # for anything: its host side (row lists, the index array) overlaps the device
+                launch.sel = self._recorder.fetch_selected(plans, shape, selected, step)
+                clock.mark("fetch_selected")
+            phase = "dispatch"
+            self._committer.advance(launch)
+        except Exception as e:
+            raise EngineStepError(phase, step, self._fail_launch(launch, phase, e), []) from e
+        self._stats.shapes_seen.add(shape)
+        self._stats.steps += 1
+        self._dispatcher.inflight.append(launch)
         return launch
+
+    def _fail_launch(self, launch: Launch, phase: str, exc: BaseException) -> list:
+        """A dispatched step whose results are lost: every request of it not committed
+        yet fails (its rows may have written past its committed tokens, which a re-run
+        could not undo: ``docs/engine_failures.md``). Returns their ids."""
+        error = f"{phase} of step {launch.step} raised {type(exc).__name__}: {exc}"
+        failed = []
+        for plan in launch.plans:
+            for req in plan.requests:
+                if req.status == RUNNING and id(req) not in launch.committed:
+                    self._scheduler.fail(req, error)
+                    failed.append(req.request_id)
+        return failed
+
+    def _lose_cache(self, step: int, exc: BaseException) -> list:
+        """The jitted step consumed the donated cache and raised: the bytes of every
+        running request and of every prefix-cache block are gone. Every running
+        request fails, the steps in flight are dropped, the prefix caches are emptied
+        and a fresh cache is allocated; waiting requests are served as usual. Returns
+        the failed ids."""
+        error = (f"dispatch of step {step} consumed the cache and raised {type(exc).__name__}: {exc}; "
+                 f"the cache's bytes are lost")
+        failed = [req.request_id for req in self._scheduler.running]
+        for req in list(self._scheduler.running):
+            self._scheduler.fail(req, error)
+        self._dispatcher.inflight.clear()
+        for pool in self.block_pools:
+            pool.drop_cached()
+        self.cache = sharding.allocate(self.layout, self.mesh, 0)
+        return failed
 
     def run(self, max_steps: int = 100_000, on_step=None) -> dict:
         """Step until every request finished (or max_steps); returns ``outputs``."""

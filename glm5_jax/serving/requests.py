@@ -1,8 +1,11 @@
 """A request's host state inside the Engine and what ``Engine.get_output`` returns.
 
 Statuses: ``waiting`` (queued, holds no blocks), ``running`` (placed on a shard,
-holds its blocks), ``finished`` (all its tokens generated, blocks released) and
-``aborted`` (by ``Engine.abort_request``).
+holds its blocks), ``finished`` (all its tokens generated, blocks released),
+``aborted`` (by ``Engine.abort_request``) and ``failed`` (a step that computed some
+of its tokens raised before they were committed, or the cache was lost;
+``RequestOutput.error`` says which step and why; its committed tokens are kept,
+its blocks released: ``docs/engine_failures.md``).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
+WAITING, RUNNING, FINISHED, ABORTED, FAILED = "waiting", "running", "finished", "aborted", "failed"
 
 
 @dataclasses.dataclass
@@ -23,8 +26,10 @@ class Request:
     arrival: int
     status: str = WAITING
     output: list = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0     # tokens of dispatched steps (async: ahead of the committed ones)
+    num_committed_tokens: int = 0    # tokens of committed steps
     num_cached_tokens: int = 0
+    error: str | None = None         # why the request failed (status FAILED)
     # recorded steps, in order: (first position, Deferred rows [L, R, W], the column of
     # the first position's row (the n rows are consecutive), greedy next tokens [n]);
     # turned into dicts only when read
@@ -93,6 +98,7 @@ class RequestOutput:
     predicted_tokens: dict          # position -> greedy next token (when recording)
     snapshot: dict | None           # cache bytes of the request at finish (snapshot_on_finish)
     shard: int | None = None        # the device shard it was placed on (None while waiting)
+    error: str | None = None        # why it failed (status "failed")
 
     @property
     def finished(self) -> bool:
@@ -103,7 +109,7 @@ def output_of(req: Request) -> RequestOutput:
     selected, predicted = req.recorded()
     return RequestOutput(req.request_id, tuple(req.prompt), tuple(req.output), req.status,
                          req.num_cached_tokens, req.num_computed_tokens, selected, predicted,
-                         None if req.snapshot is None else req.snapshot.host(), req.shard)
+                         None if req.snapshot is None else req.snapshot.host(), req.shard, req.error)
 
 
 def wants(flag, request_id) -> bool:
