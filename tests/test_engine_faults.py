@@ -1,6 +1,7 @@
 """Engine failure semantics (docs/engine_failures.md): one exception injected at each
 phase of a step, synchronous and with two steps in flight, never yields a wrong
-token and never wedges the engine.
+token and never wedges the engine; requests and arguments the engine cannot serve
+are refused where they are given, not at the first step.
 
 Fault injection: a phase's internal function is patched to raise once, at a call
 in the middle of a workload that admits, prefills in chunks, decodes, hits the
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import with_fault
 from glm5_jax.model.decoder import Decoder, ModelConfig
 from glm5_jax.serving import admission, blocks, engine as eng_mod, recording
 from glm5_jax.serving.commit import Committer
@@ -157,3 +159,84 @@ def test_abort_after_failure_keeps_the_failure(model, clean, monkeypatch):
     e.run()
     e.block_pool.check_invariants()
     assert e.block_pool.num_free_blocks == NB - 1
+
+
+# ---------------------------------------------------------------------------------
+# what a step would fail on is refused where it is given
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, error, msg", [
+    (dict(implementation="bogus"), ValueError, "implementation must be one of"),
+    (dict(implementation="triton"), ValueError, "implementation must be one of"),   # write ops only
+    (dict(layout="dense-tail-stride"), ValueError, "layout must be the model's layout"),
+    (dict(layout=CFG.layout(NB + 1)), ValueError, "layout must be the model's layout"),
+    (dict(chunk_policy=32), ValueError, "chunk_policy must be callable"),
+    (dict(draft_fn="lookup"), ValueError, "draft_fn must be callable"),
+    (dict(record="yes"), ValueError, "record must be a bool or a predicate"),
+    (dict(snapshot_on_finish=None), ValueError, "snapshot_on_finish must be a bool"),
+    (dict(bucket_mins=(2, 1, 32, 2)), ValueError, "bucket_mins must be a BucketMins"),
+    (dict(fault="dense-tail-stride"), TypeError, "fault"),        # the fault is a layout now
+])
+def test_bad_engine_arguments_fail_at_construction(model, kw, error, msg):
+    with pytest.raises(error, match=msg):
+        make_engine(model, **kw)
+
+
+def test_fault_is_a_layout(model):
+    with pytest.raises(ValueError, match="unknown fault 'bogus'"):
+        with_fault(CFG.layout(NB), "bogus")
+    faulty = with_fault(CFG.layout(NB), "dense-tail-stride")
+    e = make_engine(model, layout=faulty, dry_run=True)
+    assert e.layout == faulty and e.layout != CFG.layout(NB)
+    assert not e.layout.strides(0).is_padded_tail_stride and CFG.layout(NB).strides(0).is_padded_tail_stride
+    assert with_fault(faulty, None) == CFG.layout(NB)
+
+
+def test_bad_requests_are_refused_at_add_request_and_the_rest_run(model, clean):
+    e = make_engine(model)
+    e.add_request(*workload()[2])
+    bad = [
+        (("str", "123", 3), "sequence of int token ids, got str"),
+        (("bytes", b"\x01\x02", 3), "sequence of int token ids, got bytes"),
+        (("none", None, 3), "sequence of int token ids"),
+        (("float", [1.0, 2.0], 3), r"token 0 is 1\.0 \(float\)"),
+        (("float-late", [1, 2.7], 3), r"token 1 is 2\.7"),
+        (("bool", [True, 2], 3), "token 0 is True"),
+        (("np-float", np.array([1.5, 2.0]), 3), "token ids must be ints"),
+        (("str-token", [1, "2"], 3), "token ids must be ints"),
+        (("vocab", [1, CFG.vocab_size], 3), "outside the vocabulary"),
+        (("empty", [], 3), "empty prompt"),
+        (("new-float", [1, 2], 2.0), "max_new_tokens"),
+        (("new-bool", [1, 2], True), "max_new_tokens"),
+        (("surrogate", [1, 2], 3, "tenant-\ud800"), "cannot be encoded as UTF-8"),
+        (("empty-salt", [1, 2], 3, ""), "cache_salt must not be empty"),
+        (("bytes-salt", [1, 2], 3, b"t"), "cache_salt must be a str or None"),
+        (([1], [1, 2], 3), "not hashable"),
+        (("r2", [1, 2], 3), "duplicate request id"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            e.add_request(*args)
+    assert set(e.outputs) == {"r2"}
+    e.add_request("r1", np.asarray(workload()[1][1], np.int64), np.int64(7))   # numpy ints are ints
+    e.run()
+    assert e.get_output("r2").output_tokens == clean["r2"] and e.get_output("r1").output_tokens == clean["r1"]
+    e.block_pool.check_invariants()
+
+
+def test_a_salt_never_shares_blocks_with_no_salt(model):
+    """cache_salt is an isolation boundary: a salted request never hits unsalted blocks
+    (nor the other way round), and the hash keeps "" apart from no salt too."""
+    prompt = workload()[0][1]
+    assert blocks.chain_hashes(prompt, BS, "") != blocks.chain_hashes(prompt, BS, None)
+    assert blocks.chain_hashes(prompt, BS, "a") != blocks.chain_hashes(prompt, BS, None)
+    e = make_engine(model, dry_run=True)
+    e.add_request("plain", prompt, 2)
+    e.run()
+    e.add_request("salted", prompt, 2, cache_salt="tenant")
+    e.add_request("plain-again", prompt, 2)
+    e.run()
+    assert e.get_output("salted").num_cached_tokens == 0
+    assert e.get_output("plain-again").num_cached_tokens == BS
+    e.add_request("salted-again", prompt, 2, cache_salt="tenant")
+    e.run()
+    assert e.get_output("salted-again").num_cached_tokens == BS

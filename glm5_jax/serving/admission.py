@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from .requests import ABORTED, FAILED, FINISHED, RUNNING, WAITING, Request
+from .requests import ABORTED, FAILED, FINISHED, RUNNING, WAITING, Request, check_cache_salt, token_ids
 from .step_metadata import RowSpec, StepShape
 
 
@@ -96,30 +96,31 @@ class Scheduler:
 
     # ---- the request table ---------------------------------------------------------
     def add(self, request_id, prompt_tokens, max_new_tokens: int, cache_salt: str | None = None) -> Request:
-        """Queue a request. ValueError (and no state change) for an empty prompt, token ids
-        outside the vocabulary, max_new_tokens < 1, a duplicate id, or a request that
-        could never fit in a shard's block pool."""
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        """Queue a request. ValueError (and no state change) for an unhashable or duplicate
+        id, a prompt that is not a non-empty sequence of int token ids in the vocabulary
+        (a str, floats and bools are refused, not converted), max_new_tokens < 1, a
+        cache_salt that is not None or a non-empty UTF-8-encodable str, or a request
+        that could never fit in a shard's block pool: whatever a step would fail on is
+        refused here, so one bad request cannot block the ones behind it."""
         try:
-            prompt = [int(t) for t in prompt_tokens]
-        except (TypeError, ValueError):
-            raise ValueError("prompt_tokens must be a sequence of ints") from None
+            duplicate = request_id in self.requests
+        except TypeError:
+            raise ValueError(f"request id {request_id!r} is not hashable") from None
+        if duplicate:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        what = f"request {request_id!r}"
+        prompt = token_ids(prompt_tokens, self.vocab_size, f"{what}: prompt_tokens")
         if not prompt:
-            raise ValueError(f"request {request_id!r}: empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token id {bad[0]} outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_new_tokens must be a positive int, "
-                             f"got {max_new_tokens!r}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"request {request_id!r}: cache_salt must be a str or None")
+            raise ValueError(f"{what}: empty prompt")
+        if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, (bool, np.bool_)) \
+                or max_new_tokens < 1:
+            raise ValueError(f"{what}: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
+        check_cache_salt(cache_salt, what)
         try:
             self.block_pools[0].check_fits(len(prompt) + max_new_tokens)
         except ValueError as e:
-            raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens + {max_new_tokens} "
+            raise ValueError(f"{what}: prompt of {len(prompt)} tokens + {max_new_tokens} "
                              f"new tokens can never fit: {e}") from None
         req = Request(request_id, prompt, max_new_tokens, cache_salt, self._arrivals)
         self._arrivals += 1
@@ -218,7 +219,7 @@ class Scheduler:
         if self.chunk_policy is None:
             return cap
         n = self.chunk_policy(req.request_id, start, remaining, self.prefill_chunk_tokens)
-        if not isinstance(n, (int, np.integer)) or not 1 <= n <= cap:
+        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)) or not 1 <= n <= cap:
             raise ValueError(f"chunk_policy returned {n!r} for request {req.request_id!r}; "
                              f"expected an int in [1, {cap}]")
         return int(n)
@@ -229,10 +230,7 @@ class Scheduler:
             return []
         fn = self.draft_fn
         d = prompt_lookup_drafts(req.tokens, k) if fn is None else fn(req.request_id, list(req.tokens), k)
-        d = [int(t) for t in list(d)[:k]]
-        if any(not 0 <= t < self.vocab_size for t in d):
-            raise ValueError(f"draft_fn proposed a token outside the vocabulary for {req.request_id!r}")
-        return d
+        return token_ids(list(d)[:k], self.vocab_size, f"draft_fn for request {req.request_id!r}")
 
     def plan_shard(self, shard: int, latest_step: int) -> ShardPlan:
         """The decode and prefill rows of one shard for the step after `latest_step`

@@ -54,7 +54,7 @@ from .stats import STEP_PHASES, EngineStats, PhaseClock
 from .step_builder import pack_step_arrays, shard_step_arrays, unpack_step_arrays
 from .step_metadata import BucketMins, StepShape, bucket, choose_shape
 
-__all__ = ["Engine", "EngineStepError", "RequestOutput", "WAITING", "RUNNING", "FINISHED", "ABORTED", "FAILED",
+__all__ = ["Engine", "EngineStepError", "IMPLEMENTATIONS", "RequestOutput", "WAITING", "RUNNING", "FINISHED", "ABORTED", "FAILED",
            "STEP_PHASES",
            "RECORD_LAG_STEPS", "prompt_lookup_drafts", "common_shape", "pack_step_arrays",
            "unpack_step_arrays", "total_traces"]
@@ -86,6 +86,31 @@ def _delegated(part: str, name: str, doc: str) -> property:
 
 def _stat(name: str) -> property:
     return property(lambda self: getattr(self._stats, name), doc=f"EngineStats.{name}")
+
+
+# The model runs ONE implementation for every op: those every op has ("triton" has the
+# write ops only). None: ops.default_implementation() of the backend.
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def _check_arguments(model, *, implementation, bucket_mins, chunk_policy, draft_fn, record, snapshot_on_finish,
+                     dry_run) -> None:
+    """ValueError for an Engine argument that a step would fail on later (with requests
+    already holding blocks): checked at construction instead."""
+    if not isinstance(model, Decoder):
+        raise ValueError(f"model must be a glm5_jax.model.decoder.Decoder, got {type(model).__name__}")
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if not isinstance(bucket_mins, BucketMins):
+        raise ValueError(f"bucket_mins must be a BucketMins, got {type(bucket_mins).__name__}")
+    for name, fn in (("chunk_policy", chunk_policy), ("draft_fn", draft_fn)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be callable or None, got {fn!r}")
+    for name, flag in (("record", record), ("snapshot_on_finish", snapshot_on_finish)):
+        if not (isinstance(flag, (bool, np.bool_)) or callable(flag)):
+            raise ValueError(f"{name} must be a bool or a predicate request_id -> bool, got {flag!r}")
+    if not isinstance(dry_run, (bool, np.bool_)):
+        raise ValueError(f"dry_run must be a bool, got {dry_run!r}")
 
 
 class Engine:
@@ -129,6 +154,8 @@ class Engine:
                  bucket_mins: BucketMins = BucketMins(), implementation=None, layout=None,
                  chunk_policy=None, draft_fn=None, record=False, snapshot_on_finish=False,
                  dry_run: bool = False, async_scheduling: bool | int = False):
+        _check_arguments(model, implementation=implementation, bucket_mins=bucket_mins, chunk_policy=chunk_policy,
+                         draft_fn=draft_fn, record=record, snapshot_on_finish=snapshot_on_finish, dry_run=dry_run)
         cfg = model.config
         self.model = model
         self.layout: CacheLayout = cfg.layout(num_blocks)

@@ -1,4 +1,5 @@
-"""A request's host state inside the Engine and what ``Engine.get_output`` returns.
+"""A request's host state inside the Engine, what ``Engine.get_output`` returns, and
+the checks of what ``Engine.add_request`` accepts.
 
 Statuses: ``waiting`` (queued, holds no blocks), ``running`` (placed on a shard,
 holds its blocks), ``finished`` (all its tokens generated, blocks released),
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -115,3 +117,36 @@ def output_of(req: Request) -> RequestOutput:
 def wants(flag, request_id) -> bool:
     """A per-request option given as a bool or a predicate request_id -> bool."""
     return bool(flag(request_id)) if callable(flag) else bool(flag)
+
+
+def token_ids(values, vocab_size: int, what: str) -> list:
+    """`values` as a list of token ids, or ValueError: a str or bytes (whose characters
+    are not token ids), a non-iterable, or an element that is not an int (floats and
+    bools are refused, not truncated) or lies outside [0, vocab_size)."""
+    if isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Iterable):
+        raise ValueError(f"{what} must be a sequence of int token ids, got {type(values).__name__}")
+    out = []
+    for i, t in enumerate(values):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{what}: token {i} is {t!r} ({type(t).__name__}); token ids must be ints")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what}: token id {int(t)} outside the vocabulary [0, {vocab_size})")
+        out.append(int(t))
+    return out
+
+
+def check_cache_salt(cache_salt, what: str) -> None:
+    """ValueError unless cache_salt is None (no salt) or a non-empty str that encodes as
+    UTF-8. A salt is an isolation boundary: "" would name no tenant (block_hash keeps
+    it apart from None, but a caller passing "" almost surely meant a salt it lost),
+    and a lone surrogate cannot be hashed."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"{what}: cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        raise ValueError(f"{what}: cache_salt must not be empty (None: no salt)")
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: cache_salt cannot be encoded as UTF-8 ({e.reason} at {e.start})") from None
