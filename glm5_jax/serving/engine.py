@@ -33,6 +33,12 @@ tail ring, so no raw K/gate has to be cached.
 
 ``compilations`` counts traces (= compilations) of the jitted step this engine
 caused (``dispatch``: the step is shared by every engine of the process).
+
+Failures (``docs/engine_failures.md``): what a step would fail on is refused by
+``add_request`` and the constructor; an exception inside a step leaves the engine
+consistent and reaches the caller as ``EngineStepError``, after which the engine
+serves on. No request ever gets a token that a clean run would not have produced:
+a request whose results of a dispatched step are lost ends with status "failed".
 """
 from __future__ import annotations
 
@@ -296,9 +302,10 @@ class Engine:
         this call committed).
 
         An exception inside the step leaves the engine consistent and is raised as
-        EngineStepError (from the original): before the step reached the devices
-        nothing changed (the next call plans it again); after, the requests whose
-        results it lost end with status "failed" (``docs/engine_failures.md``)."""
+        EngineStepError (from the original; a KeyboardInterrupt or other
+        BaseException as itself): before the step reached the devices nothing
+        changed (the next call plans it again); after, the requests whose results it
+        lost end with status "failed" (``docs/engine_failures.md``)."""
         clock = PhaseClock()
         phase = "plan"
         try:
@@ -335,8 +342,11 @@ class Engine:
                                                           self.steps - 1)
                 if errors:
                     raise errors[0][1]
-            except Exception as e:
-                raise EngineStepError(phase, done.step, self._fail_launch(done, phase, e), finished) from e
+            except BaseException as e:         # KeyboardInterrupt too: the engine stays consistent
+                failed = self._fail_launch(done, phase, e)
+                if not isinstance(e, Exception):
+                    raise
+                raise EngineStepError(phase, done.step, failed, finished) from e
             clock.mark("commit")
         compiled = bool(traced) or TRACES.gather != gathers_before
         self._stats.add_step_time(time.perf_counter() - t0, compiled, clock.seconds)
@@ -368,9 +378,11 @@ class Engine:
             try:
                 self.cache, next_tok, selected = _step(d.state, cache, flat, d.prev_tokens(),
                                                        **d.static_args(fields))
-            except Exception as e:
+            except BaseException as e:
                 # the step consumed the donated cache (its bytes are gone) or never ran
                 failed = self._lose_cache(step, e) if cache.is_deleted() else []
+                if not isinstance(e, Exception):
+                    raise
                 raise EngineStepError("dispatch", step, failed, []) from e
             clock.mark("dispatch")
             launch = Launch(step, plans, shape, next_tok)
@@ -384,8 +396,11 @@ class Engine:
                 clock.mark("fetch_selected")
             phase = "dispatch"
             self._committer.advance(launch)
-        except Exception as e:
-            raise EngineStepError(phase, step, self._fail_launch(launch, phase, e), []) from e
+        except BaseException as e:
+            failed = self._fail_launch(launch, phase, e)
+            if not isinstance(e, Exception):
+                raise
+            raise EngineStepError(phase, step, failed, []) from e
         self._stats.shapes_seen.add(shape)
         self._stats.steps += 1
         self._dispatcher.inflight.append(launch)
