@@ -54,34 +54,16 @@ from .admission import EMPTY_PLAN, Scheduler, common_shape, prompt_lookup_drafts
 from .blocks import BlockPool
 from .commit import Committer
 from .dispatch import TRACES, Dispatcher, Launch, _step, fetch_tokens, total_traces
+from .failures import IMPLEMENTATIONS, EngineStepError, check_arguments, fail_launch
 from .recording import RECORD_LAG_STEPS, Recorder, scribble_free_blocks
 from .requests import ABORTED, FAILED, FINISHED, RUNNING, WAITING, RequestOutput, output_of
 from .stats import STEP_PHASES, EngineStats, PhaseClock
 from .step_builder import pack_step_arrays, shard_step_arrays, unpack_step_arrays
 from .step_metadata import BucketMins, StepShape, bucket, choose_shape
 
-__all__ = ["Engine", "EngineStepError", "IMPLEMENTATIONS", "RequestOutput", "WAITING", "RUNNING", "FINISHED", "ABORTED", "FAILED",
-           "STEP_PHASES",
-           "RECORD_LAG_STEPS", "prompt_lookup_drafts", "common_shape", "pack_step_arrays",
-           "unpack_step_arrays", "total_traces"]
-
-
-class EngineStepError(RuntimeError):
-    """An exception inside ``Engine.step`` (the original is ``__cause__``), raised once
-    the engine is consistent again: ``phase`` (plan, batch, dispatch, fetch_selected,
-    device_wait or commit) of step number ``step`` raised; ``failed``: ids of the
-    requests that ended with status "failed" (their results of that step are lost);
-    ``finished``: ids of the requests that finished in this call before it raised.
-    The engine serves on: the next ``step()`` plans again."""
-
-    def __init__(self, phase: str, step: int, failed: list, finished: list):
-        self.phase, self.step, self.failed, self.finished = phase, step, list(failed), list(finished)
-        what = f"requests {self.failed} failed" if self.failed else "no request was affected"
-        super().__init__(f"step {step}: {phase} raised; {what}")
-
-    def __str__(self):
-        cause = self.__cause__
-        return super().__str__() + (f": {type(cause).__name__}: {cause}" if cause is not None else "")
+__all__ = ["Engine", "EngineStepError", "IMPLEMENTATIONS", "RequestOutput", "WAITING", "RUNNING", "FINISHED",
+           "ABORTED", "FAILED", "STEP_PHASES", "RECORD_LAG_STEPS", "prompt_lookup_drafts", "common_shape",
+           "pack_step_arrays", "unpack_step_arrays", "total_traces"]
 
 
 def _delegated(part: str, name: str, doc: str) -> property:
@@ -92,31 +74,6 @@ def _delegated(part: str, name: str, doc: str) -> property:
 
 def _stat(name: str) -> property:
     return property(lambda self: getattr(self._stats, name), doc=f"EngineStats.{name}")
-
-
-# The model runs ONE implementation for every op: those every op has ("triton" has the
-# write ops only). None: ops.default_implementation() of the backend.
-IMPLEMENTATIONS = ("xla", "pallas")
-
-
-def _check_arguments(model, *, implementation, bucket_mins, chunk_policy, draft_fn, record, snapshot_on_finish,
-                     dry_run) -> None:
-    """ValueError for an Engine argument that a step would fail on later (with requests
-    already holding blocks): checked at construction instead."""
-    if not isinstance(model, Decoder):
-        raise ValueError(f"model must be a glm5_jax.model.decoder.Decoder, got {type(model).__name__}")
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    if not isinstance(bucket_mins, BucketMins):
-        raise ValueError(f"bucket_mins must be a BucketMins, got {type(bucket_mins).__name__}")
-    for name, fn in (("chunk_policy", chunk_policy), ("draft_fn", draft_fn)):
-        if fn is not None and not callable(fn):
-            raise ValueError(f"{name} must be callable or None, got {fn!r}")
-    for name, flag in (("record", record), ("snapshot_on_finish", snapshot_on_finish)):
-        if not (isinstance(flag, (bool, np.bool_)) or callable(flag)):
-            raise ValueError(f"{name} must be a bool or a predicate request_id -> bool, got {flag!r}")
-    if not isinstance(dry_run, (bool, np.bool_)):
-        raise ValueError(f"dry_run must be a bool, got {dry_run!r}")
 
 
 class Engine:
@@ -160,8 +117,8 @@ class Engine:
                  bucket_mins: BucketMins = BucketMins(), implementation=None, layout=None,
                  chunk_policy=None, draft_fn=None, record=False, snapshot_on_finish=False,
                  dry_run: bool = False, async_scheduling: bool | int = False):
-        _check_arguments(model, implementation=implementation, bucket_mins=bucket_mins, chunk_policy=chunk_policy,
-                         draft_fn=draft_fn, record=record, snapshot_on_finish=snapshot_on_finish, dry_run=dry_run)
+        check_arguments(model, implementation=implementation, bucket_mins=bucket_mins, chunk_policy=chunk_policy,
+                        draft_fn=draft_fn, record=record, snapshot_on_finish=snapshot_on_finish, dry_run=dry_run)
         cfg = model.config
         self.model = model
         self.layout: CacheLayout = cfg.layout(num_blocks)
@@ -343,7 +300,7 @@ class Engine:
                 if errors:
                     raise errors[0][1]
             except BaseException as e:         # KeyboardInterrupt too: the engine stays consistent
-                failed = self._fail_launch(done, phase, e)
+                failed = fail_launch(self._scheduler, done, phase, e)
                 if not isinstance(e, Exception):
                     raise
                 raise EngineStepError(phase, done.step, failed, finished) from e
@@ -397,7 +354,7 @@ class Engine:
             phase = "dispatch"
             self._committer.advance(launch)
         except BaseException as e:
-            failed = self._fail_launch(launch, phase, e)
+            failed = fail_launch(self._scheduler, launch, phase, e)
             if not isinstance(e, Exception):
                 raise
             raise EngineStepError(phase, step, failed, []) from e
@@ -405,19 +362,6 @@ class Engine:
         self._stats.steps += 1
         self._dispatcher.inflight.append(launch)
         return launch
-
-    def _fail_launch(self, launch: Launch, phase: str, exc: BaseException) -> list:
-        """A dispatched step whose results are lost: every request of it not committed
-        yet fails (its rows may have written past its committed tokens, which a re-run
-        could not undo: ``docs/engine_failures.md``). Returns their ids."""
-        error = f"{phase} of step {launch.step} raised {type(exc).__name__}: {exc}"
-        failed = []
-        for plan in launch.plans:
-            for req in plan.requests:
-                if req.status == RUNNING and id(req) not in launch.committed:
-                    self._scheduler.fail(req, error)
-                    failed.append(req.request_id)
-        return failed
 
     def _lose_cache(self, step: int, exc: BaseException) -> list:
         """The jitted step consumed the donated cache and raised: the bytes of every
