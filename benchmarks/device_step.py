@@ -133,7 +133,7 @@ def time_replay(best, eng, model, n, reps):
     flat = sharding.put_per_shard(np.repeat(best["flat"], n, axis=0), mesh)
     prev = sharding.put_per_shard(np.zeros((n, eng.tokens_out), np.int32), mesh)
     kw = dict(fields=best["fields"], graphdef=eng._graphdef, layout=eng.layout, implementation=eng.implementation,
-              fault=None, mesh=mesh, contractions=invariant.contractions(), tokens_out=eng.tokens_out)
+              mesh=mesh, contractions=invariant.contractions(), tokens_out=eng.tokens_out)
     cache, tok, _ = eng_mod._step(state, cache, flat, prev, **kw)          # compile + warm up
     jax.block_until_ready((cache, tok))
     per_step, dispatch = [], []

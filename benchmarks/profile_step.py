@@ -57,7 +57,7 @@ def step_call(eng, model, plans, shape, cache_row):
     flat, fields = eng._batch(shape, plans)
     prev = sharding.put_per_shard(np.zeros((1, eng.tokens_out), np.int32), mesh)
     kw = dict(fields=fields, graphdef=eng._graphdef, layout=eng.layout, implementation=eng.implementation,
-              fault=None, mesh=mesh, contractions=invariant.contractions(), tokens_out=eng.tokens_out)
+              mesh=mesh, contractions=invariant.contractions(), tokens_out=eng.tokens_out)
     cache = [sharding.put_per_shard(cache_row[None], mesh)]
 
     def f():

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Callable
 
-from .layout import FAULTS          # numpy only: importing the package never imports jax
+from .layout import FAULTS, with_fault          # numpy only: importing the package never imports jax
 
 
 def _prog() -> str:
@@ -202,20 +202,20 @@ def demo_main(argv: list[str]) -> int:
               f"{c.tail_block_bytes:,} B instead of the padded {c.index_block_bytes:,} B)")
 
     def jitted(op):
-        return jax.jit(functools.partial(op, implementation=impl, fault=args.fault),
-                       static_argnums=(1, 2), donate_argnums=0)
+        return jax.jit(functools.partial(op, implementation=impl), static_argnums=(1, 2), donate_argnums=0)
+    ops_layout = with_fault(lay, args.fault)       # the ops address the cache through its strides
 
     compress, seed, decode = jitted(ops.compress_prefill), jitted(ops.seed_tail), jitted(ops.decode_update)
     cache = lay.allocate(SENTINEL)
     ape = jnp.asarray(sc.ape)
     pre = {k: jnp.asarray(v) for k, v in sc.prefill(prefill_tokens).items()}
-    cache = compress(cache, lay, layer, pre["key"], pre["gate"], ape, pre["slot_mapping"])
-    cache = seed(cache, lay, layer, pre["key"], pre["gate"], pre["tslot"])
+    cache = compress(cache, ops_layout, layer, pre["key"], pre["gate"], ape, pre["slot_mapping"])
+    cache = seed(cache, ops_layout, layer, pre["key"], pre["gate"], pre["tslot"])
     print(f"prefill: {sum(prefill_tokens)} tokens ({' + '.join(map(str, prefill_tokens))})")
     done = list(prefill_tokens)
     for _ in range(steps):
         st = {k: jnp.asarray(v) for k, v in sc.decode(done, [1] * len(done), width=1).items()}
-        cache = decode(cache, lay, layer, st["key"], st["gate"], ape, st["slot_mapping"],
+        cache = decode(cache, ops_layout, layer, st["key"], st["gate"], ape, st["slot_mapping"],
                        st["tslot"], st["positions"])
         done = [d + 1 for d in done]
     print(f"decode: {steps} step(s) of 1 token per request")

@@ -90,24 +90,14 @@ class CacheLayout:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
 
     # ---- strides -----------------------------------------------------------------
-    def strides(self, layer: int, fault: str | None = None) -> CacheStrides:
-        """The explicit stride metadata of one layer: the only thing kernels get.
-
-        fault="dense-tail-stride" reproduces the historical bug (docs/semantics.md B1) on purpose:
-        tail blocks addressed with the dense stride 2*ring*256 instead of the padded
-        index_block_bytes. Only the corruption probe and its tests use it.
-        """
+    def strides(self, layer: int) -> CacheStrides:
+        """The explicit stride metadata of one layer: the only thing kernels get
+        (``with_fault`` gives a layout whose strides carry a historical bug)."""
         c = self.config
-        tail_stride = c.index_block_bytes
-        if fault is not None:
-            if fault not in FAULTS:
-                raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
-            tail_stride = c.tail_block_bytes
         return CacheStrides(
             kpool=c.kpool, ring=c.ring, page_rows=c.page_rows, pages_per_block=c.pages_per_block,
             num_blocks=self.num_blocks, index_base_bytes=self.index_base_bytes(int(layer)),
-            index_block_bytes=c.index_block_bytes, total_bytes=self.total_bytes,
-            tail_block_stride_bytes=tail_stride)
+            index_block_bytes=c.index_block_bytes, total_bytes=self.total_bytes)
 
     def attn_strides(self, layer: int, kv_row_bytes: int) -> AttnStrides:
         """Stride metadata of one layer's attention region, for K/V rows of kv_row_bytes.
@@ -207,3 +197,35 @@ class CacheLayout:
                 for k, v in self.summary().items()]
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v:>16}" for k, v in rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultyLayout(CacheLayout):
+    """A CacheLayout whose strides carry an injected historical bug: the diagnostic
+    hook of the corruption probe and its tests. Built only by ``with_fault``; it goes
+    wherever a layout goes (ops, the model, the Engine), so every reader and writer
+    that addresses the cache through its strides honours the fault.
+
+    "dense-tail-stride" (spec B1): tail blocks addressed with the dense stride
+    2 * ring * 256 bytes instead of the padded index_block_bytes."""
+    fault: str = FAULTS[0]
+
+    def __post_init__(self):
+        if self.fault not in FAULTS:
+            raise ValueError(f"unknown fault {self.fault!r}; known: {FAULTS}")
+        super().__post_init__()
+
+    def strides(self, layer: int) -> CacheStrides:
+        return dataclasses.replace(super().strides(layer), tail_block_stride_bytes=self.config.tail_block_bytes)
+
+
+def with_fault(layout: CacheLayout, fault: str | None) -> CacheLayout:
+    """`layout` with `fault` (one of FAULTS) injected into its strides; fault=None
+    gives the correct layout (any fault removed). ValueError for an unknown fault."""
+    base = dict(config=layout.config, num_layers=layout.num_layers, num_blocks=layout.num_blocks,
+                attn_block_bytes=layout.attn_block_bytes)
+    if fault is None:
+        return CacheLayout(**base)
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
+    return FaultyLayout(**base, fault=fault)

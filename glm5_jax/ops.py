@@ -165,12 +165,8 @@ def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool, positions=None)
         raise ValueError(f"{op}: slot_mapping writes the same pool slot twice in one batch")
 
 
-def _strides(layout, layer, fault):
-    return layout.strides(layer, fault=fault)
-
-
 def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, request_ends_tokens=None,
-              implementation=None, interpret=None, fault=None):
+              implementation=None, interpret=None):
     """Seed each request's tail ring with its last kpool tokens of the batch (docs/semantics.md 5.3).
 
     key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots (-1 = padding).
@@ -192,13 +188,13 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
             e = np.asarray(request_ends_tokens)
             if (e > t).any():
                 raise ValueError(f"{op}: request_ends_tokens must be <= the batch's {t} rows, got max {e.max()}")
-    s = _strides(layout, layer, fault)
+    s = layout.strides(layer)
     impl = _write_impl(op, implementation, interpret)
     return DISPATCH[op, impl](cache, s, key, gate, tslot, request_ends_tokens, interpret=interpret)
 
 
 def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, *,
-                     implementation=None, interpret=None, fault=None):
+                     implementation=None, interpret=None):
     """Compress every pool completed in a prefill slice and write it (docs/semantics.md 5.2).
 
     key, gate: [T, 128] bf16; ape: [kpool, 128] f32; slot_mapping: [T] int32 pool slots.
@@ -212,13 +208,13 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
     _check(op, "ape", ape, (r, 128), (jnp.float32,))
     _check(op, "slot_mapping", slot_mapping, (t,), _INT)
     _check_pool_slots(op, slot_mapping, layout, flat_rows=True)
-    s = _strides(layout, layer, fault)
+    s = layout.strides(layer)
     impl = _write_impl(op, implementation, interpret)
     return DISPATCH[op, impl](cache, s, key, gate, ape, slot_mapping, interpret=interpret)
 
 
 def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping, tslot,
-                  positions, *, implementation=None, interpret=None, fault=None):
+                  positions, *, implementation=None, interpret=None):
     """Batched decode: stash each token in its ring, completing pools on the way (docs/semantics.md 5.4).
 
     key, gate: [B, n, 128] bf16; ape [kpool, 128] f32; slot_mapping, tslot, positions: [B, n] int32.
@@ -236,7 +232,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     for name, x in (("slot_mapping", slot_mapping), ("tslot", tslot), ("positions", positions)):
         _check(op, name, x, (b, n), _INT)
     _check_pool_slots(op, slot_mapping, layout, flat_rows=False, positions=positions)
-    s = _strides(layout, layer, fault)
+    s = layout.strides(layer)
     impl = _write_impl(op, implementation, interpret)
     return DISPATCH[op, impl](cache, s, key, gate, ape, slot_mapping, tslot, positions, interpret=interpret)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -221,6 +222,7 @@ def engine_for(w: Workload, model, num_blocks: int, mesh, *, dry_run: bool = Fal
     it records selections and snapshots of the re-hits and controls only (the
     probe compares those; a whole-cache host copy per finished filler would cost
     more than the step on a GPU-sized cache)."""
+    from .layout import with_fault
     from .serving.engine import Engine
     from .serving.step_metadata import BucketMins, bucket
     bs = w.model_config.indexer.block_size
@@ -233,7 +235,8 @@ def engine_for(w: Workload, model, num_blocks: int, mesh, *, dry_run: bool = Fal
     compared = (lambda rid: str(rid).startswith(("rehit", "control"))) if not dry_run else False
     return Engine(model, num_blocks, mesh=mesh, max_running_requests=w.concurrency,
                   max_prefill_requests=w.max_prefill_requests, prefill_chunk_tokens=w.prefill_chunk_tokens,
-                  bucket_mins=mins, implementation=w.implementation, fault=w.fault, record=compared,
+                  bucket_mins=mins, implementation=w.implementation,
+                  layout=with_fault(model.config.layout(num_blocks), w.fault), record=compared,
                   snapshot_on_finish=compared, dry_run=dry_run, async_scheduling=w.async_scheduling)
 
 
@@ -345,18 +348,14 @@ class _WatchedBytes:
         return int(out[0]), int(out[1]), step
 
 
-_JITTED = []
-
-
+@functools.cache
 def _jitted():
     """(gather, compare), jitted once per process: every probe (and shard) of the same
     size shares one compilation."""
-    if not _JITTED:
-        import jax
+    import jax
 
-        from .serving import sharding
-        _JITTED.extend([sharding.gather_view_words, jax.jit(_changed_counts, static_argnames=("page_bytes",))])
-    return _JITTED
+    from .serving import sharding
+    return sharding.gather_view_words, jax.jit(_changed_counts, static_argnames=("page_bytes",))
 
 
 def _changed_counts(cache, rows, cols, snapshot, *, page_bytes: int):
@@ -373,17 +372,17 @@ def _changed_counts(cache, rows, cols, snapshot, *, page_bytes: int):
 
 def _shard_summary(d, probes, rounds, st_shard, run_s) -> dict:
     """Probe result, tokens and evictions of shard d."""
-    mine = [pr for pr in probes if pr["shard"] == d]
+    mine = [pr for pr in probes if pr.shard == d]
     rr = [x for x in rounds if x["shard_of_prompt"] == d]
     processed = st_shard["prefill_tokens"] + st_shard["decode_tokens"]
-    changed = [pr["first_change_step"] for pr in mine if pr["first_change_step"] is not None]
+    changed = [pr.first_change_step for pr in mine if pr.first_change_step is not None]
     out = dict(
-        shard=d, prompts=[pr["prompt"] for pr in mine],
-        watched_blocks=[b for pr in mine for b in pr["blocks"]],
-        watched_bytes=sum(e - a for pr in mine for a, e in pr["watched"]),
-        bytes_changed=sum(pr["max_changed"] for pr in mine), pages_changed=sum(pr["changed_pages"] for pr in mine),
+        shard=d, prompts=[pr.prompt for pr in mine],
+        watched_blocks=[b for pr in mine for b in pr.blocks],
+        watched_bytes=sum(e - a for pr in mine for a, e in pr.watched),
+        bytes_changed=sum(pr.max_changed for pr in mine), pages_changed=sum(pr.changed_pages for pr in mine),
         first_change_step=min(changed) if changed else None,
-        evicted_after_step=min([pr["evicted_after_step"] for pr in mine if pr["evicted_after_step"] is not None],
+        evicted_after_step=min([pr.evicted_after_step for pr in mine if pr.evicted_after_step is not None],
                                default=None),
         rehits_equal_control=all(x["outputs_equal"] and x["selected_equal"] for x in rr),
         rehit_pools_equal_control=all(x["pools_equal"] for x in rr),
@@ -397,91 +396,101 @@ def _shard_summary(d, probes, rounds, st_shard, run_s) -> dict:
     return out
 
 
-def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
-    """Run the probe on ``w.devices`` devices (or on ``mesh``); returns the report
-    dict (see ``format_table``): totals at the top level, one entry per device
-    shard in ``shards``."""
-    import numpy as np
+@dataclasses.dataclass
+class PromptProbe:
+    """The watch on one system prompt's cached blocks: from the end of its prefill,
+    after every engine step, while the blocks still hold the prompt's cached content
+    (after an eviction the pool may hand a block to another request, whose writes
+    are legitimate: the watch then stops and says when)."""
+    prompt: int                                  # which system prompt (one per shard)
+    shard: int | None = None
+    blocks: list = dataclasses.field(default_factory=list)     # its full blocks, watched
+    hashes: list = dataclasses.field(default_factory=list)     # their prefix-cache hashes
+    watched: list = dataclasses.field(default_factory=list)    # byte ranges, every layer
+    reader: _WatchedBytes | None = None
+    max_changed: int = 0
+    changed_pages: int = 0
+    first_change_step: int | None = None
+    evicted_after_step: int | None = None
 
-    from .model.decoder import Decoder
-    from .serving.blocks import chain_hashes
+    def begin(self, eng, prompt_tokens) -> None:
+        """Start watching the prompt's full blocks as its prefill left them."""
+        from .serving.blocks import chain_hashes
+        lay, bs = eng.layout, eng.config.block_size
+        self.shard = eng.request_shard(prompt_id(self.prompt))
+        self.blocks = eng.request_blocks(prompt_id(self.prompt))[0][:len(prompt_tokens) // bs]
+        self.hashes = list(chain_hashes(prompt_tokens, bs, None, len(self.blocks)))
+        self.watched = [lay.block_byte_range(layer, b) for layer in range(lay.num_layers) for b in self.blocks]
+        self.reader = _WatchedBytes(eng, self.shard, self.watched, eng.config.page_bytes)
 
-    cfg = w.model_config
-    idx = cfg.indexer
-    bs = idx.block_size
-    mesh = workload_mesh(w) if mesh is None else mesh
-    model = Decoder.random(cfg, seed=w.seed)
-    prompts, fillers, news = draw_requests(w)
-    num_blocks = w.num_blocks or plan_num_blocks(w, model, mesh)
-    eng = engine_for(w, model, num_blocks, mesh)
-    lay = eng.layout
-    bar = _Progress(len(prompts) * (1 + 2 * w.rounds) + len(fillers), enabled=progress)
-    probes = [dict(prompt=s, shard=None, blocks=[], watched=[], reader=None, max_changed=0,
-                   first_change_step=None, changed_pages=0, evicted_after_step=None) for s in range(len(prompts))]
+    def still_cached(self, eng) -> bool:
+        pool = eng.block_pools[self.shard]
+        return all(pool.cached_block_of(h) == b for h, b in zip(self.hashes, self.blocks))
 
-    def still_cached(e, pr) -> bool:
-        """Whether every watched block still holds its prompt's cached content: after an
-        eviction the pool may hand the block to another request, whose writes are
-        legitimate (the probe then stops; the report says when)."""
-        pool = e.block_pools[pr["shard"]]
-        return all(pool.cached_block_of(h) == b for h, b in zip(pr["hashes"], pr["blocks"]))
+    def settle(self, keep: int = 0) -> None:
+        """Take in the reads started after earlier steps, all but the newest `keep`."""
+        while self.reader is not None and self.reader.pending > keep:
+            changed, pages, step = self.reader.finish()
+            if changed and self.first_change_step is None:
+                self.first_change_step = step
+            self.max_changed = max(self.max_changed, changed)
+            self.changed_pages = max(self.changed_pages, pages)
 
-    def settle(pr, keep=0):
-        """Take in a probe's reads started after earlier steps, all but the newest `keep`."""
-        while pr["reader"] is not None and pr["reader"].pending > keep:
-            changed, pages, step = pr["reader"].finish()
-            if changed and pr["first_change_step"] is None:
-                pr["first_change_step"] = step
-            pr["max_changed"] = max(pr["max_changed"], changed)
-            pr["changed_pages"] = max(pr["changed_pages"], pages)
+    def after_step(self, eng) -> None:
+        """Start the read of the watched bytes as this step left them (or stop watching
+        blocks the step evicted)."""
+        if self.evicted_after_step is not None:
+            return
+        if not self.still_cached(eng):
+            self.evicted_after_step = eng.steps
+            return
+        self.reader.start(eng)
 
-    def on_step(e):
-        # The reads started after the previous step ran on the devices while this step
-        # was dispatched: taking them in now costs no wait. Then every shard's read of
-        # the cache as this step left it starts, to be taken in after the next step.
-        # With N steps in flight the host has waited only for the step N calls back:
-        # the newest N - 1 reads stay pending (taking them in would wait for the devices).
-        for s, pr in enumerate(probes):
-            settle(pr, keep=max(e.async_scheduling - 1, 0))
-            if pr["reader"] is None:
-                out = e.get_output(prompt_id(s))
-                if out.num_computed_tokens >= len(prompts[s]) and out.status == "running":
-                    pr["shard"] = out.shard
-                    pr["blocks"] = e.request_blocks(prompt_id(s))[0][:len(prompts[s]) // bs]
-                    pr["hashes"] = list(chain_hashes(prompts[s], bs, None, len(pr["blocks"])))
-                    pr["watched"] = [lay.block_byte_range(layer, b) for layer in range(lay.num_layers)
-                                     for b in pr["blocks"]]
-                    t = time.perf_counter()
-                    pr["reader"] = _WatchedBytes(e, out.shard, pr["watched"], idx.page_bytes)
-                    setup_s[0] += time.perf_counter() - t
-                continue
-            if pr["evicted_after_step"] is not None:
-                continue
-            if not still_cached(e, pr):          # evicted in this step: its bytes are no longer watched
-                pr["evicted_after_step"] = e.steps
-                continue
-            pr["reader"].start(e)
-        bar.update(e.num_finished(), f"step {e.steps}, {sum(p.evictions for p in e.block_pools)} evictions")
 
-    if progress:
-        print(f"simulate: {num_blocks} blocks per device planned, {eng.num_shards} device(s); the first step "
-              f"compiles the whole model (tens of seconds on CPU) ...", file=sys.stderr, flush=True)
-    probe_s = [0.0]
-    setup_s = [0.0]       # the probe's one-time setup (compiles, snapshot): not serving time
+class CorruptionProbe:
+    """The probe of every system prompt, run after every engine step (``on_step``).
 
-    def timed_on_step(e):
+    The reads started after the previous step ran on the devices while this step was
+    dispatched: taking them in costs no wait. Then every shard's read of the cache as
+    this step left it starts, to be taken in after the next step. With N steps in
+    flight the host has waited only for the step N calls back: the newest N - 1
+    reads stay pending (taking them in would wait for the devices)."""
+
+    def __init__(self, prompts, bar: _Progress):
+        self.prompts = prompts
+        self.probes = [PromptProbe(s) for s in range(len(prompts))]
+        self.bar = bar
+        self.seconds = 0.0           # in on_step, setup included
+        self.setup_seconds = 0.0     # one-time setup (compiles, snapshots): not serving time
+
+    def on_step(self, eng) -> None:
         t = time.perf_counter()
-        on_step(e)
-        probe_s[0] += time.perf_counter() - t
+        for s, pr in enumerate(self.probes):
+            pr.settle(keep=max(eng.async_scheduling - 1, 0))
+            if pr.reader is None:
+                out = eng.get_output(prompt_id(s))
+                if out.num_computed_tokens >= len(self.prompts[s]) and out.status == "running":
+                    t_setup = time.perf_counter()
+                    pr.begin(eng, self.prompts[s])
+                    self.setup_seconds += time.perf_counter() - t_setup
+            else:
+                pr.after_step(eng)
+        self.bar.update(eng.num_finished(), f"step {eng.steps}, {sum(p.evictions for p in eng.block_pools)} "
+                                            f"evictions")
+        self.seconds += time.perf_counter() - t
 
-    t0 = time.perf_counter()
-    hits = _drive(eng, w, prompts, fillers, news, timed_on_step)
-    for pr in probes:                                       # the reads after the last step
-        settle(pr)
-    wall = time.perf_counter() - t0
-    bar.close()
+    def finish(self) -> None:
+        """Take in the reads started after the last step."""
+        for pr in self.probes:
+            pr.settle()
+
+
+def _compare_rounds(eng, w: Workload, probes, hits, n_fillers: int) -> list:
+    """Per round and prompt: the re-hit against its salted control (outputs, selected
+    tokens, pool bytes) and whether the re-hit reused the prompt's blocks."""
+    import numpy as np
     rounds = []
-    for r, items in enumerate(_split_rounds(list(range(len(fillers))), w.rounds)):
+    for r, items in enumerate(_split_rounds(list(range(n_fillers)), w.rounds)):
         for s, pr in enumerate(probes):
             rh, ct = eng.get_output(rehit_id(r, s)), eng.get_output(control_id(r, s))
             common = sorted(set(rh.selected_tokens) & set(ct.selected_tokens))
@@ -492,43 +501,73 @@ def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
                               and np.array_equal(la["pool_scales"], lb["pool_scales"])
                               for la, lb in zip(rh.snapshot["layers"], ct.snapshot["layers"]))
             rounds.append(dict(
-                round=r, prompt=s, shard_of_prompt=pr["shard"], rehit_shard=rh.shard, control_shard=ct.shard,
+                round=r, prompt=s, shard_of_prompt=pr.shard, rehit_shard=rh.shard, control_shard=ct.shard,
                 fillers=len(items), rehit_cached_tokens=rh.num_cached_tokens,
                 control_cached_tokens=ct.num_cached_tokens,
-                prompt_resident=hits[r][s] is not None and hits[r][s][0] == pr["shard"]
-                and list(hits[r][s][1]) == list(pr["blocks"]),
+                prompt_resident=hits[r][s] is not None and hits[r][s][0] == pr.shard
+                and list(hits[r][s][1]) == list(pr.blocks),
                 outputs_equal=rh.output_tokens == ct.output_tokens,
                 selected_equal=sel_equal, selected_rows_compared=len(common), pools_equal=pools_equal))
+    return rounds
+
+
+def _report(w: Workload, eng, probe: CorruptionProbe, rounds, num_blocks: int, n_fillers: int,
+            wall: float) -> dict:
+    """The report dict of a finished run (see ``format_table``)."""
+    idx = w.model_config.indexer
     st = eng.stats()
     # serving time: without the steps that compiled and without the probe's one-time
     # setup (compiling its gather and compare programs per device, the snapshot)
-    run_s = max(wall - st["compile_step_seconds"] - setup_s[0], 1e-9)
-    shards = [_shard_summary(d, probes, rounds, st["shards"][d], run_s) for d in range(eng.num_shards)]
+    run_s = max(wall - st["compile_step_seconds"] - probe.setup_seconds, 1e-9)
+    shards = [_shard_summary(d, probe.probes, rounds, st["shards"][d], run_s) for d in range(eng.num_shards)]
     processed = st["prefill_tokens"] + st["decode_tokens"]
     changed = [s["first_change_step"] for s in shards if s["first_change_step"] is not None]
     report = dict(
         device=_backend(), devices=eng.num_shards, implementation=eng.implementation, fault=w.fault,
         async_scheduling=eng.async_scheduling,
-        seed=w.seed, layers=lay.num_layers, num_blocks=num_blocks, block_size_tokens=bs, kpool=idx.kpool,
-        topk_tokens=idx.topk, prompt_tokens=w.prompt_tokens,
+        seed=w.seed, layers=eng.layout.num_layers, num_blocks=num_blocks, block_size_tokens=idx.block_size,
+        kpool=idx.kpool, topk_tokens=idx.topk, prompt_tokens=w.prompt_tokens,
         watched_blocks=[b for s in shards for b in s["watched_blocks"]],
         watched_bytes=sum(s["watched_bytes"] for s in shards),
         bytes_changed=sum(s["bytes_changed"] for s in shards), pages_changed=sum(s["pages_changed"] for s in shards),
         first_change_step=min(changed) if changed else None,
         evicted_after_step=min([s["evicted_after_step"] for s in shards if s["evicted_after_step"] is not None],
                                default=None),
-        rounds=rounds, fillers=len(fillers),
+        rounds=rounds, fillers=n_fillers,
         concurrency=w.concurrency, steps=st["steps"], compilations=st["compilations"],
         shapes=st["shapes"], evictions=st["evictions"], prefix_hit_tokens=st["hit_tokens"],
         processed_tokens=processed, generated_tokens=st["generated_tokens"], wall_s=wall,
-        compile_step_s=st["compile_step_seconds"], probe_setup_s=setup_s[0], tokens_per_s=processed / run_s,
-        generated_tokens_per_s=st["generated_tokens"] / run_s, shards=shards,
-        phase_seconds=dict(st["phase_seconds"], probe=probe_s[0] - setup_s[0]))
-    report["rehits_equal_control"] = all(s["rehits_equal_control"] for s in shards)
-    report["rehit_pools_equal_control"] = all(s["rehit_pools_equal_control"] for s in shards)
-    report["prompt_stayed_cached"] = all(s["prompt_stayed_cached"] for s in shards)
-    report["ok"] = all(s["ok"] for s in shards)
+        compile_step_s=st["compile_step_seconds"], probe_setup_s=probe.setup_seconds,
+        tokens_per_s=processed / run_s, generated_tokens_per_s=st["generated_tokens"] / run_s, shards=shards,
+        phase_seconds=dict(st["phase_seconds"], probe=probe.seconds - probe.setup_seconds))
+    for key in ("rehits_equal_control", "rehit_pools_equal_control", "prompt_stayed_cached", "ok"):
+        report[key] = all(s[key] for s in shards)
     return report
+
+
+def run_workload(w: Workload, *, progress: bool = False, mesh=None) -> dict:
+    """Run the probe on ``w.devices`` devices (or on ``mesh``); returns the report
+    dict (see ``format_table``): totals at the top level, one entry per device
+    shard in ``shards``."""
+    from .model.decoder import Decoder
+
+    mesh = workload_mesh(w) if mesh is None else mesh
+    model = Decoder.random(w.model_config, seed=w.seed)
+    prompts, fillers, news = draw_requests(w)
+    num_blocks = w.num_blocks or plan_num_blocks(w, model, mesh)
+    eng = engine_for(w, model, num_blocks, mesh)
+    bar = _Progress(len(prompts) * (1 + 2 * w.rounds) + len(fillers), enabled=progress)
+    probe = CorruptionProbe(prompts, bar)
+    if progress:
+        print(f"simulate: {num_blocks} blocks per device planned, {eng.num_shards} device(s); the first step "
+              f"compiles the whole model (tens of seconds on CPU) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    hits = _drive(eng, w, prompts, fillers, news, probe.on_step)
+    probe.finish()
+    wall = time.perf_counter() - t0
+    bar.close()
+    rounds = _compare_rounds(eng, w, probe.probes, hits, len(fillers))
+    return _report(w, eng, probe, rounds, num_blocks, len(fillers), wall)
 
 
 def _backend() -> str:

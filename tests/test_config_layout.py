@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.config import IndexerConfig, next_pow2
-from glm5_jax.layout import CacheLayout
+from glm5_jax.layout import CacheLayout, with_fault
 from glm5_jax.testing import random_ape, random_rows
 from pallas_kernels.core import addressing as addr
 from pallas_kernels.core import numerics as nm
@@ -263,13 +263,14 @@ def test_layout_strides_1152_and_dense_fault():
     assert s.page_bytes == 4224 and s.pools_per_block == 288
     assert s.index_base_bytes == 800 * 38016
     assert s.is_padded_tail_stride
-    f = lay.strides(1, fault="dense-tail-stride")
+    f = with_fault(lay, "dense-tail-stride").strides(1)
     assert f.tail_block_stride_bytes == 2 * 4 * 256 == 2048
     assert not f.is_padded_tail_stride
     assert dataclasses.replace(f, tail_block_stride_bytes=38016) == s
     # ring 8 (n_spec 3): dense stride 4096
     lay8 = CacheLayout(IndexerConfig(num_spec_tokens=3), num_layers=1, num_blocks=4)
-    assert lay8.strides(0, fault="dense-tail-stride").tail_block_stride_bytes == 4096
+    assert with_fault(lay8, "dense-tail-stride").strides(0).tail_block_stride_bytes == 4096
+    assert with_fault(with_fault(lay, "dense-tail-stride"), None) == lay
     assert lay8.strides(0).tail_block_stride_bytes == 38016
 
 
@@ -287,7 +288,7 @@ BAD_LAYOUTS = [
     (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(-1), r"layer must be an int in \[0, 2\)"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).index_base_bytes(1.0), "layer must be an int"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).attn_base_bytes(5), "layer must be an int"),
-    (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(0, fault="dense"), "unknown fault 'dense'"),
+    (lambda: with_fault(CacheLayout(IndexerConfig(), 2, 4), "dense"), "unknown fault 'dense'"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(256), r"fill_byte must be in \[0, 255\]"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(-1), r"fill_byte must be in \[0, 255\]"),
 ]

@@ -14,7 +14,7 @@ import pytest
 
 from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
-from glm5_jax.layout import CacheLayout
+from glm5_jax.layout import CacheLayout, with_fault
 from glm5_jax.testing import random_ape, random_rows
 
 import refjit
@@ -95,7 +95,7 @@ def test_b1_seed_honours_padded_tail_stride(rng, n_spec):
 
     # the probe: with the historical dense stride injected, the own block stays sentinel and
     # the dense location (base + b * 2*ring*256) changes -- the model above would catch it
-    bad = lay.strides(layer, fault="dense-tail-stride")
+    bad = with_fault(lay, "dense-tail-stride").strides(layer)
     cache_bad = refjit.seed_tail_strides(lay.allocate(SENTINEL), bad, jnp.asarray(key), jnp.asarray(gate),
                                          jnp.asarray(tslot))
     got_bad = refjit.as_bytes(cache_bad)

@@ -13,7 +13,7 @@ import pytest
 
 from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
-from glm5_jax.layout import CacheLayout
+from glm5_jax.layout import CacheLayout, with_fault
 from glm5_jax.testing import Scenario
 
 SENTINEL = 0xA5
@@ -103,7 +103,7 @@ def check_padded_stride(rng, seed_strides, fault):
     from glm5_jax import reference as ref
     config = IndexerConfig()                                   # 1152-token blocks, ring 4
     layout = CacheLayout(config, num_layers=1, num_blocks=256)
-    s = layout.strides(0, fault=fault)
+    s = with_fault(layout, fault).strides(0)
     blocks = [18, 200]
     key = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16)
     gate = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16)

@@ -221,7 +221,7 @@ class DecoderLayer(nnx.Module):
         self.w_down = nnx.Param(_normal(rngs, (h, cfg.mlp_size), cfg.mlp_size ** -0.5, jnp.bfloat16))
         self.num_heads, self.head_dim = nh, hd
 
-    def __call__(self, cache, x, batch, *, layout: CacheLayout, layer: int, implementation=None, fault=None):
+    def __call__(self, cache, x, batch, *, layout: CacheLayout, layer: int, implementation=None):
         t = x.shape[0]
         idx = self.indexer
         a = inv.bf16(self.attn_norm(x))
@@ -239,7 +239,7 @@ class DecoderLayer(nnx.Module):
         slots = jnp.concatenate([batch["dec_attn_slots"].reshape(-1), batch["pre_attn_slots"].reshape(-1)])
         cache = write_kv(cache, astr, inv.bf16(k), inv.bf16(v), slots)
         cache, sel = idx(cache, a, qr, batch, layout=layout, layer=layer, implementation=implementation,
-                         fault=fault, projections=idx.finish_projection(a, ik, ig, iq))
+                         projections=idx.finish_projection(a, ik, ig, iq))
         q = inv.bf16(q).reshape(t, self.num_heads, self.head_dim)
         tables = batch["block_table_blocks"][batch["token_table_rows"]]   # [T, MB]
         chosen = sort_selected(sel)
@@ -270,7 +270,7 @@ class Decoder(nnx.Module):
     def random(cls, cfg: ModelConfig = ModelConfig(), seed: int = 0) -> "Decoder":
         return cls(cfg, rngs=nnx.Rngs(params=seed))
 
-    def __call__(self, cache, batch, *, layout: CacheLayout, implementation=None, fault=None):
+    def __call__(self, cache, batch, *, layout: CacheLayout, implementation=None):
         """One serving step over the flat tokens of ``batch`` (step_metadata arrays).
 
         Returns (cache, next_token [T] i32 greedy prediction after each token,
@@ -282,8 +282,7 @@ class Decoder(nnx.Module):
         x = self.embed[...][ids].astype(jnp.float32)
         sels = []
         for i, lyr in enumerate(self.layers):
-            cache, x, sel = lyr(cache, x, batch, layout=layout, layer=i,
-                                implementation=implementation, fault=fault)
+            cache, x, sel = lyr(cache, x, batch, layout=layout, layer=i, implementation=implementation)
             sels.append(sel)
         logits = inv.linear(inv.bf16(self.final_norm(x)), self.lm_head[...].T)
         return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.stack(sels)

@@ -126,7 +126,7 @@ class Indexer(nnx.Module):
 
     # ---- one layer of a serving step --------------------------------------------------
     def __call__(self, cache, x, qr, batch, *, layout: CacheLayout, layer: int,
-                 implementation=None, fault=None, projections=None):
+                 implementation=None, projections=None):
         """Write this step's tokens into the cache, then select tokens for every query row.
 
         x, qr: [T, ...] bf16 for the step's flat tokens (decode grid first, then the
@@ -144,7 +144,7 @@ class Indexer(nnx.Module):
         #    ring, complete pools reading earlier members from the ring (docs/semantics.md 5.4)
         ui = batch["upd_token_index"]
         cache = ops.decode_update(cache, layout, layer, k[ui], gate[ui], ape, batch["upd_slot_pools"],
-                                  batch["upd_tslots"], batch["upd_positions"], fault=fault, **kw)
+                                  batch["upd_tslots"], batch["upd_positions"], **kw)
         # 2. aligned rest of each prefill chunk: compress completed pools, seed the
         #    tail ring with the chunk's last kpool tokens (docs/semantics.md 5.2, 5.3)
         nd_tok = bd * nd
@@ -153,7 +153,7 @@ class Indexer(nnx.Module):
                                      batch["pre_slot_pools"].reshape(-1), **kw)
         # the seed visits only each chunk's last kpool rows (same bytes, cost per request)
         cache = ops.seed_tail(cache, layout, layer, pk, pg, batch["pre_tslots"].reshape(-1),
-                              request_ends_tokens=prefill_row_ends(batch["pre_positions"]), fault=fault, **kw)
+                              request_ends_tokens=prefill_row_ends(batch["pre_positions"]), **kw)
         # 3. read path, after every write of this layer (docs/semantics.md 1.3, 1.4)
         q8, wq = ops.prepare_queries(q, w, **kw)
         pages = batch["page_table_pages"]

@@ -46,11 +46,15 @@ _OWNER_NAMES = {FREE: "free", INDEX: "indexer", TAIL: "tail"}
 
 
 def block_hash(parent: bytes | None, token_ids, cache_salt: str | None = None) -> bytes:
-    """Chained hash of one full block: sha256(parent || salt || token ids)."""
+    """Chained hash of one full block: sha256(parent || salt || token ids). No salt
+    (None) and every salt, "" included, hash apart: a salt is an isolation boundary."""
     h = hashlib.sha256()
     h.update(b"\x01" + parent if parent is not None else b"\x00")
-    salt = b"" if cache_salt is None else str(cache_salt).encode()
-    h.update(struct.pack("<I", len(salt)) + salt)
+    if cache_salt is None:
+        h.update(b"\x00")
+    else:
+        salt = str(cache_salt).encode("utf-8")
+        h.update(b"\x01" + struct.pack("<I", len(salt)) + salt)
     toks = [int(t) for t in token_ids]
     h.update(struct.pack(f"<{len(toks)}q", *toks))
     return h.digest()
@@ -233,6 +237,18 @@ class BlockPool:
                 self._free[b] = None
                 if self._hash[b] is None:
                     self._free.move_to_end(b, last=False)
+
+    def drop_cached(self) -> int:
+        """Forget every cached block (the engine lost the cache bytes they named): the
+        prefix cache becomes empty, the free queue keeps its order. Every request must
+        have been released first (ValueError otherwise). Returns the blocks forgotten."""
+        if self._requests:
+            raise ValueError(f"drop_cached with {len(self._requests)} requests holding blocks")
+        for b in self._cached.values():
+            self._hash[b] = None
+        n = len(self._cached)
+        self._cached.clear()
+        return n
 
     # ---- allocation ----------------------------------------------------------------
     def _take(self, owner: int) -> int:

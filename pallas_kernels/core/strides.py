@@ -41,7 +41,7 @@ class CacheStrides:
     # Stride between consecutive tail blocks. The tail of block b ALIASES indexer
     # block b, so this must equal index_block_bytes (the padded stride). It is a
     # field only so that the historical dense-stride bug (docs/semantics.md B1) can be injected
-    # on purpose (CacheLayout.strides(layer, fault="dense-tail-stride")) and caught.
+    # on purpose (glm5_jax.layout.with_fault(layout, "dense-tail-stride")) and caught.
     tail_block_stride_bytes: int = -1
 
     def __post_init__(self):
