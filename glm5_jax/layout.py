@@ -206,7 +206,7 @@ class FaultyLayout(CacheLayout):
     wherever a layout goes (ops, the model, the Engine), so every reader and writer
     that addresses the cache through its strides honours the fault.
 
-    "dense-tail-stride" (spec B1): tail blocks addressed with the dense stride
+    "dense-tail-stride" (docs/semantics.md B1): tail blocks addressed with the dense stride
     2 * ring * 256 bytes instead of the padded index_block_bytes."""
     fault: str = FAULTS[0]
 

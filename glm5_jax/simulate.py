@@ -1,4 +1,4 @@
-"""The cached-prompt corruption probe of spec section 6.1, as a program.
+"""The cached-prompt corruption probe of docs/semantics.md 6.1, as a program.
 
 ``python -m glm5_jax simulate [--json] [--inject-fault dense-tail-stride] [--device gpu] [--devices N]``
 
@@ -27,7 +27,7 @@ fillers churn through the shards, and every round re-hits every prompt (the re-h
 goes to the shard that caches it) next to its control. The report gives the probe,
 tokens/s (tokens the device processed / run time without compiling steps) and
 evictions per device, and their totals. ``--inject-fault dense-tail-stride`` serves with the historical bug
-(spec B1: tail writes with the dense block stride), which the probe catches.
+(docs/semantics.md B1: tail writes with the dense block stride), which the probe catches.
 """
 from __future__ import annotations
 
@@ -578,7 +578,7 @@ def _backend() -> str:
 def format_table(rep: dict) -> str:
     yes = lambda b: "yes" if b else "NO"                                          # noqa: E731
     lines = [
-        f"kpool cache probe (spec 6.1): {rep['device']} x {rep['devices']}, implementation "
+        f"kpool cache probe (docs/semantics.md 6.1): {rep['device']} x {rep['devices']}, implementation "
         f"{rep['implementation']}, fault {rep['fault'] or 'none'}, seed {rep['seed']}"
         + (f", asynchronous scheduling ({rep['async_scheduling']} step(s) in flight)"
            if rep.get("async_scheduling") else ""),
@@ -632,7 +632,7 @@ def main(argv=None) -> int:
     from .__main__ import _prog
     p = argparse.ArgumentParser(
         prog=f"{_prog()} simulate",
-        description="Serve the spec 6.1 workload (cached system prompt, churn of fillers with evictions, "
+        description="Serve the workload of docs/semantics.md 6.1 (cached system prompt, churn of fillers with evictions, "
                     "re-hits vs cache_salt controls) and report whether the cached prompt's indexer "
                     "pages changed; with --devices N, N times over on N devices (one cache shard and "
                     "one cached prompt each), reported per device. Exit code 0 = every check passed, "
@@ -641,7 +641,7 @@ def main(argv=None) -> int:
                    help="size preset: cpu (small, default) or gpu (GLM sizes: topk 2048, blocks of 1152)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--inject-fault", choices=FAULTS, default=None,
-                   help="serve with a historical bug (dense-tail-stride = spec B1) to see the probe catch it")
+                   help="serve with a historical bug (dense-tail-stride = docs/semantics.md B1) to see the probe catch it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fillers", type=_pos_int, default=None, help="filler requests per device")
     p.add_argument("--rounds", type=_pos_int, default=None, help="re-hit rounds")

@@ -8,7 +8,7 @@ model's greedy prediction after each row token verifies the drafts; the longest
 matching prefix is accepted plus one corrected/bonus token (the output is exactly
 plain greedy decoding). Rejected drafts were stashed and may have completed pools;
 the next step recomputes from the first rejected position and overwrites them
-before any committed query can read them (spec 5.4). The ring is sized for that
+before any committed query can read them (docs/semantics.md 5.4). The ring is sized for that
 (``IndexerConfig.num_spec_tokens >= next_n - 1``).
 """
 from __future__ import annotations

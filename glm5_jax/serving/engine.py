@@ -135,7 +135,7 @@ class Engine:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if next_n - 1 > self.config.num_spec_tokens:
             raise ValueError(f"next_n = {next_n} verifies {next_n - 1} draft tokens but the tail ring is "
-                             f"sized for num_spec_tokens = {self.config.num_spec_tokens} (spec 3.4, bug B2)")
+                             f"sized for num_spec_tokens = {self.config.num_spec_tokens} (docs/semantics.md 3.4, B2)")
         if not isinstance(async_scheduling, int) or not 0 <= async_scheduling <= 2:
             raise ValueError(f"async_scheduling must be a bool or 0, 1, 2 steps in flight, got {async_scheduling!r}")
         if async_scheduling and next_n != 1:
