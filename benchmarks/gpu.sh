@@ -16,6 +16,7 @@
 #   shapes        SHAPES_S=300  benchmarks/trace_writes.py with launch-shape variants, each byte-checked
 #   read          TR_S=200 RP_S=400  trace_read.py (decode B = 64 x 128k, top-k), bench_read.py prefill
 #   read-sweep    RS_S=300  benchmarks/bench_read.py --sweep: launch shapes of paged_logits and the top-k
+#   prefill-tc    PT_S=330  benchmarks/bench_prefill.py: prefill on the tensor cores against the matmul rate (.whl)
 #   step-profile  PS_S=100  benchmarks/profile_step.py: a serving step's device time kernel by kernel
 #   sharding      SH_S=240  tests/test_sharding.py on the machine's GPUs (2 or more; the 4-device cases need 4)
 #   scaleout      SO_S=210 DS_S=120  bench_scaleout.py (1 vs N GPUs), then device_step.py (the step program alone)
@@ -29,6 +30,7 @@
 #   shapes: DECODE_VARIANTS [forward:1 forward:2 forward:8] (program:warps), COMPRESS_SHAPES [2x4 4x2 4x8 8x4 8x8]
 #     (tile x warps); " " for none -> shapes.*. read: TRACE_READ_ARGS, PREFILLS [32768 131072] -> read_*.
 #   read-sweep: SWEEP_ONLY [logits topk] -> read-sweep.txt.
+#   prefill-tc: TC_PREFILLS [32768 131072 524288] -> prefill-tc.txt, prefill-tc.json.
 #   step-profile: PROFILE_WAYS [shipped:], one run per NAME:FLAGS word, flags joined by "," (an A/B:
 #     "gathered:--gather-attention shipped:") -> step-profile_*.
 #   sharding: SHARDING_K ["not 4"] (pytest -k) -> pytest_sharding.log.
@@ -38,7 +40,7 @@
 # then "GPU RUN: passed" (every rc 0) or "GPU RUN: failed". The device tool brings back 8 files: past
 # 7, every log is packed into $OUT/a_logs.tgz, and only the archive, the pytest logs, writes.txt and
 # notebooks.txt stay beside it.
-ALL_STEPS="tests writes-tests notebooks writes writes-triton large-cache ncu shapes read read-sweep"
+ALL_STEPS="tests writes-tests notebooks writes writes-triton large-cache ncu shapes read read-sweep prefill-tc"
 ALL_STEPS+=" step-profile sharding scaleout"
 STEPS=${STEPS:-tests notebooks writes}
 
@@ -147,6 +149,11 @@ step_read_sweep() {
   timed "${RS_S:-300}" read-sweep.txt python3 benchmarks/bench_read.py --skip-prefill --skip-topk --batches 64 \
     --contexts 131072 --sweep --sweep-only ${SWEEP_ONLY:-logits topk}
   local rc=$?; quiet_tail read-sweep.txt 30; return $rc
+}
+step_prefill_tc() {
+  timed "${PT_S:-330}" prefill-tc.txt python3 benchmarks/bench_prefill.py --prefills ${TC_PREFILLS:-32768 131072 524288} \
+    --json "$OUT/prefill-tc.json"
+  local rc=$?; quiet_tail prefill-tc.txt 22; return $rc
 }
 step_step_profile() {
   local v name args rc=0
