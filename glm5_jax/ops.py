@@ -528,11 +528,10 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
                               interpret=interpret, path=path, workspace_bytes=workspace_bytes)
 
 
-def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path,
-                          workspace_bytes):
-    """select_tokens with implementation="pallas": the causal fill or the sparse path
-    (paged_logits + top-k on bounded row chunks, or the fused paged_topk), then the
-    expansion kernel; ``short`` as ``reference.use_short_path`` returns it."""
+def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret):
+    """select_tokens' frame shared by the kernel implementations: the causal fill, or
+    ``pool_ids(ctx, k)`` ([B, n] visible pools -> [B, n, k] selected pool ids) expanded
+    to tokens by the expansion kernel; ``short`` as ``reference.use_short_path`` returns it."""
     b, n = q8.shape[:2]
     r = s.kpool
     k, width = t // r, t + r - 1
@@ -542,42 +541,45 @@ def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t,
 
     def sparse():
         seq = ref.seq_lens_from_positions(positions)                                # [B, n]
-        ctx = seq // r
-        if (path or default_read_path(n)) == "fused":
-            ids = _paged_topk.paged_topk(cache, s, q8, weights, page_table_pages, ctx, k, interpret=interpret)
-        else:
-            def rows(q, w, cx):                                # bounded logits per call
-                bb, cn = cx.shape
-                lg = _paged_logits.paged_logits(cache, s, q, w, page_table_pages, cx, interpret=interpret)
-                return _topk_kernel(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
-                                    interpret=interpret).reshape(bb, cn, k)
-
-            chunk = ref.query_row_chunk(n, 1, addr.pools_in_pages(s, page_table_pages.shape[1]), b,
-                                        budget_bytes=workspace_bytes)
-            ids = ref.map_query_rows(rows, chunk, q8, weights, ctx)
+        ids = pool_ids(seq // r, k)
         return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
 
     return ref.branch_short(short, fill, sparse)
 
 
+def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path,
+                          workspace_bytes):
+    """select_tokens with implementation="pallas": the fused paged_topk, or paged_logits +
+    top-k on bounded row chunks (``path``, ``default_read_path``)."""
+    b, n = q8.shape[:2]
+
+    def pool_ids(ctx, k):
+        if (path or default_read_path(n)) == "fused":
+            return _paged_topk.paged_topk(cache, s, q8, weights, page_table_pages, ctx, k, interpret=interpret)
+
+        def rows(q, w, cx):                                    # bounded logits per call
+            bb, cn = cx.shape
+            lg = _paged_logits.paged_logits(cache, s, q, w, page_table_pages, cx, interpret=interpret)
+            return _topk_kernel(lg.reshape(bb * cn, -1), cx.reshape(-1), k, interpret=interpret).reshape(bb, cn, k)
+
+        chunk = ref.query_row_chunk(n, 1, addr.pools_in_pages(s, page_table_pages.shape[1]), b,
+                                    budget_bytes=workspace_bytes)
+        return ref.map_query_rows(rows, chunk, q8, weights, ctx)
+
+    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret)
+
+
 def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path,
                           workspace_bytes):
-    """select_tokens with implementation="triton": the causal fill, or chunks of query
-    rows (at most ``workspace_bytes`` of logits and top-k buffers at a time,
+    """select_tokens with implementation="triton": chunks of query rows (at most
+    ``workspace_bytes`` of logits and top-k buffers at a time,
     ``pallas_kernels.read.workspace``) through the tensor-core logits kernel and the
-    Triton row top-k, then the expansion kernel."""
+    Triton row top-k."""
     tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")
     tc_topk = importlib.import_module("pallas_kernels.triton_lang.topk_rows")
     b, n = q8.shape[:2]
-    r = s.kpool
-    k, width = t // r, t + r - 1
 
-    def fill():
-        return ref.causal_fill(positions, width).reshape(b * n, width)
-
-    def sparse():
-        seq = ref.seq_lens_from_positions(positions)                                # [B, n]
-        ctx = seq // r
+    def pool_ids(ctx, k):
         n_cols = addr.pools_in_pages(s, page_table_pages.shape[1])
         chunk = _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes)
 
@@ -586,10 +588,9 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
             lg = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False)
             return tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k).reshape(bb, cn, k)
 
-        ids = ref.map_query_rows(rows, chunk, q8, weights, ctx)
-        return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r)
+        return ref.map_query_rows(rows, chunk, q8, weights, ctx)
 
-    return ref.branch_short(short, fill, sparse)
+    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret)
 
 
 def _triton_kernel(module: str, name: str):

@@ -75,9 +75,20 @@ def _bin(key, kmin, scale, NB: tl.constexpr):
 
 
 @triton.jit
+def _tile(base, t, n, kmin, scale, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """Scores t .. t + BLOCK - 1 of a walk: (ids [BLOCK], in-row mask, keys, bin, sub-bin)."""
+    offs = t + tl.arange(0, BLOCK)
+    m = offs < n
+    key = order_key(tl.load(base + offs, mask=m, other=0.0))
+    b1, fr = _bin(key, kmin, scale, NB)
+    b2 = tl.minimum((fr * NB).to(tl.int32), NB - 1)
+    return offs, m, key, b1, b2
+
+
+@triton.jit
 def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_ptr, out_ptr,
-                       K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-                       SMALL: tl.constexpr, REVERSE: tl.constexpr):
+                K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+                SMALL: tl.constexpr, REVERSE: tl.constexpr):
     # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; cand_key / cand_id: [n_rows, 2 * KP]
     # u32 / i32 scratch (each row its own: [0, KP) the answer, [KP, 2 KP) the edge bin);
     # out: [n_rows, K] i32
@@ -102,10 +113,7 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
     # walk 2: histogram of the level-1 bins
     hist = tl.zeros((NB,), tl.int32)
     for t in range(0, n, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        m = offs < n
-        key = order_key(tl.load(base + offs, mask=m, other=0.0))
-        b1, _ = _bin(key, kmin, scale, NB)
+        offs, m, key, b1, _ = _tile(base, t, n, kmin, scale, BLOCK, NB)
         hist += tl.histogram(b1, NB, mask=m)
     ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
     c1 = tl.max(tl.where(ge >= take, bins, 0), axis=0)
@@ -113,11 +121,7 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
     # walk 3: histogram of the level-2 bins inside bin c1
     hist = tl.zeros((NB,), tl.int32)
     for t in range(0, n, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        m = offs < n
-        key = order_key(tl.load(base + offs, mask=m, other=0.0))
-        b1, fr = _bin(key, kmin, scale, NB)
-        b2 = tl.minimum((fr * NB).to(tl.int32), NB - 1)
+        offs, m, key, b1, b2 = _tile(base, t, n, kmin, scale, BLOCK, NB)
         hist += tl.histogram(b2, NB, mask=m & (b1 == c1))
     ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
     need1 = take - above1
@@ -131,11 +135,7 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
     emin = tl.full((), 0xFFFFFFFF, tl.uint32)
     emax = tl.full((), 0, tl.uint32)
     for t in range(0, n, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        m = offs < n
-        key = order_key(tl.load(base + offs, mask=m, other=0.0))
-        b1, fr = _bin(key, kmin, scale, NB)
-        b2 = tl.minimum((fr * NB).to(tl.int32), NB - 1)
+        offs, m, key, b1, b2 = _tile(base, t, n, kmin, scale, BLOCK, NB)
         sure = m & ((b1 > c1) | ((b1 == c1) & (b2 > c2)))
         onedge = m & (b1 == c1) & (b2 == c2)
         ps = cnt_s + tl.cumsum(sure.to(tl.int32), axis=0) - 1
@@ -178,11 +178,7 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
             shift = (24 - 8 * p)
             h = tl.zeros((256,), tl.int32)
             for t in range(0, n, BLOCK):
-                offs = t + tl.arange(0, BLOCK)
-                m = offs < n
-                key = order_key(tl.load(base + offs, mask=m, other=0.0))
-                b1, fr = _bin(key, kmin, scale, NB)
-                b2 = tl.minimum((fr * NB).to(tl.int32), NB - 1)
+                offs, m, key, b1, b2 = _tile(base, t, n, kmin, scale, BLOCK, NB)
                 mm = m & (b1 == c1) & (b2 == c2) & ((key & pmask) == prefix)
                 h += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=mm)
             g2 = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
@@ -195,11 +191,7 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
         cg = n * 0
         cq = n * 0
         for t in range(0, n, BLOCK):
-            offs = t + tl.arange(0, BLOCK)
-            m = offs < n
-            key = order_key(tl.load(base + offs, mask=m, other=0.0))
-            b1, fr = _bin(key, kmin, scale, NB)
-            b2 = tl.minimum((fr * NB).to(tl.int32), NB - 1)
+            offs, m, key, b1, b2 = _tile(base, t, n, kmin, scale, BLOCK, NB)
             e = m & (b1 == c1) & (b2 == c2)
             gt = e & (key > prefix)
             eq = e & (key == prefix)
