@@ -158,6 +158,31 @@ def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool, positions=None)
         raise ValueError(f"{op}: slot_mapping writes the same pool slot twice in one batch")
 
 
+def _at(shape, flat_index) -> str:
+    """'[i]' / '[b, j]': the index of the flat_index-th entry of an array of `shape`."""
+    return "[" + ", ".join(str(int(i)) for i in np.unravel_index(int(flat_index), shape)) + "]"
+
+
+def _refuse_null_block(op, name, slots, layout, unit: str, positions=None):
+    """Concrete inputs only: no slot in the null block 0. Block 0 is what padded page
+    tables point at, so it is never written: under jit ``addressing.pool_slot_valid`` /
+    ``tail_slot_valid`` ignore such slots like padding; a concrete one is a bug of the
+    caller's metadata (``glm5_jax.metadata`` never builds one). unit: "pool" or "tail".
+    Decode tokens with position < 0 are padding and never write, whatever their slots."""
+    if not _concrete(slots, positions):
+        return
+    a = np.asarray(slots)
+    per_block = layout.config.pools_per_block if unit == "pool" else layout.config.ring
+    bad = (a >= 0) & (a < per_block)
+    if positions is not None:
+        bad &= np.asarray(positions) >= 0
+    if bad.any():
+        i = int(np.argmax(bad.ravel()))
+        raise ValueError(f"{op}: {name}{_at(a.shape, i)} = {int(a.ravel()[i])} is a {unit} slot of the null "
+                         f"block 0 ({unit} slots 0 .. {per_block - 1}); block 0 is never written "
+                         f"(padding is -1)")
+
+
 def _strides(layout, layer, fault):
     return layout.strides(layer, fault=fault)
 
@@ -185,6 +210,7 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
             e = np.asarray(request_ends_tokens)
             if (e > t).any():
                 raise ValueError(f"{op}: request_ends_tokens must be <= the batch's {t} rows, got max {e.max()}")
+    _refuse_null_block(op, "tslot", tslot, layout, "tail")
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)
     return DISPATCH[op, impl](cache, s, key, gate, tslot, request_ends_tokens, interpret=interpret)
@@ -204,6 +230,7 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
     _check(op, "gate", gate, (t, 128), _BF16)
     _check(op, "ape", ape, (r, 128), (jnp.float32,))
     _check(op, "slot_mapping", slot_mapping, (t,), _INT)
+    _refuse_null_block(op, "slot_mapping", slot_mapping, layout, "pool")
     _check_pool_slots(op, slot_mapping, layout, flat_rows=True)
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)
@@ -228,6 +255,8 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     _check(op, "ape", ape, (r, 128), (jnp.float32,))
     for name, x in (("slot_mapping", slot_mapping), ("tslot", tslot), ("positions", positions)):
         _check(op, name, x, (b, n), _INT)
+    _refuse_null_block(op, "slot_mapping", slot_mapping, layout, "pool", positions)
+    _refuse_null_block(op, "tslot", tslot, layout, "tail", positions)
     _check_pool_slots(op, slot_mapping, layout, flat_rows=False, positions=positions)
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)

@@ -1,0 +1,139 @@
+"""The write ops' input contract (docs/design.md, "Input contract of the ops"), one
+regression test per rule, for the XLA reference and the Pallas kernels (interpret
+mode on the CPU). The Triton-language kernels share the rules by construction: their
+targets come from the same ``addressing`` predicates in JAX before the launch, and
+their numerics mirror ``numerics`` (tests/test_triton.py runs them on a GPU).
+
+Caches start filled with a random sentinel byte; bytes are compared. Under jit an
+invalid slot is ignored like padding, so "ignored" is checked as: the bytes equal
+those of the same call with that slot replaced by -1. On concrete input the ops
+refuse what the metadata builders never make.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import ops
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+
+IMPLS = ["xla", "pallas"]
+# 32 pools per block (one page), ring 4, two layers: the writes go to layer 1
+LAYOUT = CacheLayout(IndexerConfig(block_size=128), num_layers=2, num_blocks=6)
+LAYER = 1
+CFG = LAYOUT.config
+R, RING, PPB = CFG.kpool, CFG.ring, CFG.pools_per_block
+T = 16                      # flat batches
+B, N = 3, 4                 # decode batches
+
+_STATIC = dict(static_argnums=(1, 2), static_argnames=("implementation",))
+_compress = jax.jit(ops.compress_prefill, **_STATIC)
+_seed = jax.jit(ops.seed_tail, **_STATIC)
+_decode = jax.jit(ops.decode_update, **_STATIC)
+
+
+def _bytes(cache):
+    return np.array(cache).view(np.uint8)
+
+
+def _rows(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape + (128,)), jnp.bfloat16)
+
+
+def _i32(x):
+    return jnp.asarray(np.asarray(x, np.int32))
+
+
+def _random_cache(rng):
+    """A cache of random bytes whose bf16 half-words are all finite (|x| < 2), so a ring
+    row read from the wrong block gives a finite, different pool."""
+    raw = rng.integers(0, 256, size=LAYOUT.total_words * 4, dtype=np.uint8)
+    raw[1::2] &= 0xBF
+    return jnp.asarray(raw.view(np.uint32))
+
+
+def _block0(layer=LAYER):
+    a, e = LAYOUT.block_byte_range(layer, 0)
+    return slice(a, e)
+
+
+# ---------------------------------------------------------------------------------
+# 1. block 0 (the null block) is never written
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_null_block_is_never_written(rng, impl):
+    """Pool and tail slots inside block 0 are ignored like padding by all three writers
+    (compress_prefill, seed_tail, decode_update) under jit: block 0 keeps its bytes and
+    the cache equals the one written with those slots at -1. On main each writer wrote
+    into block 0."""
+    fill = int(rng.integers(0, 256))
+    key, gate = _rows(rng, T), _rows(rng, T)
+    ape = jnp.asarray(rng.standard_normal((R, 128)), jnp.float32)
+    # two requests of 8 rows: request 0's tail in block 2, pools in block 3; request 1's
+    # tail slots in block 0 and its pools half in block 0, half in block 4
+    tslot = np.concatenate([2 * RING + np.arange(8) % RING, np.arange(8) % RING])
+    slot = np.full(T, -1)
+    slot[[3, 7]] = 3 * PPB + rng.permutation(PPB)[:2]
+    slot[11] = int(rng.integers(0, PPB))                       # block 0
+    slot[15] = 4 * PPB + int(rng.integers(0, PPB))
+    in_null = (slot >= 0) & (slot < PPB)
+    cases = [(_compress, (key, gate, ape), slot, slot.copy(), in_null),
+             (_seed, (key, gate), tslot, tslot.copy(), tslot < RING)]
+    for op, args, x, _, null in cases:
+        x_clean = np.where(null, -1, x)
+        got = _bytes(op(LAYOUT.allocate(fill), LAYOUT, LAYER, *args, _i32(x), implementation=impl))
+        want = _bytes(op(LAYOUT.allocate(fill), LAYOUT, LAYER, *args, _i32(x_clean), implementation=impl))
+        assert (got[_block0()] == fill).all(), f"{op.__name__}: block 0 written"
+        assert (got != fill).any()
+        np.testing.assert_array_equal(got, want)
+
+    # decode: request 0 well formed (tail block 2, completes into block 3), request 1 with
+    # tail slots in block 0, request 2 completes into block 0
+    pos = np.array([[8, 9, 10, 11], [4, 5, 6, 7], [12, 13, 14, 15]])
+    dts = np.stack([2 * RING + pos[0] % RING, pos[1] % RING, 5 * RING + pos[2] % RING])
+    dsl = np.full((B, N), -1)
+    dsl[:, 3] = [3 * PPB + 5, -1, int(rng.integers(0, PPB))]
+    dk, dg = _rows(rng, B, N), _rows(rng, B, N)
+    start = _random_cache(rng)
+    null_t, null_s = dts < RING, (dsl >= 0) & (dsl < PPB)
+    got = _bytes(_decode(start, LAYOUT, LAYER, dk, dg, ape, _i32(dsl), _i32(dts), _i32(pos), implementation=impl))
+    want = _bytes(_decode(start, LAYOUT, LAYER, dk, dg, ape, _i32(np.where(null_s | null_t, -1, dsl)),
+                          _i32(np.where(null_t, -1, dts)), _i32(pos), implementation=impl))
+    np.testing.assert_array_equal(got[_block0()], _bytes(start)[_block0()])
+    np.testing.assert_array_equal(got, want)
+    assert (got != _bytes(start)).any()
+
+
+def test_null_block_slots_are_refused_on_concrete_input(rng):
+    """On concrete input every writer refuses a slot inside block 0 with an error naming
+    it (the metadata builders never make one), and leaves the cache alone."""
+    cache = LAYOUT.allocate(0x5A)
+    key, gate = _rows(rng, T), _rows(rng, T)
+    ape = jnp.zeros((R, 128), jnp.float32)
+    slot = np.full(T, -1)
+    slot[7] = int(rng.integers(0, PPB))
+    with pytest.raises(ValueError, match=rf"compress_prefill: slot_mapping\[7\] = {slot[7]} is a pool slot of "
+                                         r"the null block 0"):
+        ops.compress_prefill(cache, LAYOUT, LAYER, key, gate, ape, _i32(slot), implementation="xla")
+    tslot = np.full(T, -1)
+    tslot[2] = int(rng.integers(0, RING))
+    with pytest.raises(ValueError, match=rf"seed_tail: tslot\[2\] = {tslot[2]} is a tail slot of the null block 0"):
+        ops.seed_tail(cache, LAYOUT, LAYER, key, gate, _i32(tslot), implementation="pallas")
+    pos = np.array([[0, 1, 2, 3]] * B)
+    dts = np.stack([(1 + b) * RING + pos[b] for b in range(B)])
+    dsl = np.full((B, N), -1)
+    dk = _rows(rng, B, N)
+    bad = dts.copy()
+    bad[1, 2] = 2
+    with pytest.raises(ValueError, match=r"decode_update: tslot\[1, 2\] = 2 is a tail slot of the null block 0"):
+        ops.decode_update(cache, LAYOUT, LAYER, dk, dk, ape, _i32(dsl), _i32(bad), _i32(pos), implementation="xla")
+    bad = dsl.copy()
+    bad[2, 3] = PPB - 1
+    with pytest.raises(ValueError, match=rf"decode_update: slot_mapping\[2, 3\] = {PPB - 1} is a pool slot of the "
+                                         r"null block 0"):
+        ops.decode_update(cache, LAYOUT, LAYER, dk, dk, ape, _i32(bad), _i32(dts), _i32(pos), implementation="xla")
+    # padding tokens (position < 0) write nothing: their slots are not looked at
+    pad = np.where(np.arange(N) == 3, -1, pos)
+    ops.decode_update(cache, LAYOUT, LAYER, dk, dk, ape, _i32(bad), _i32(dts), _i32(pad), implementation="xla")
+    assert (_bytes(cache) == 0x5A).all()
