@@ -183,6 +183,25 @@ def _refuse_null_block(op, name, slots, layout, unit: str, positions=None):
                          f"(padding is -1)")
 
 
+def _refuse_completions_without_tail(op, slot_mapping, tslot, positions, layout):
+    """Concrete inputs only: a decode token that completes a pool has a valid tail slot.
+    The pool's earlier members are read from that tail block's ring, so a token with
+    an invalid one (-1, block 0, past the last block) writes nothing under jit
+    (``addressing.decode_completes``), not a pool pooled from another block's ring."""
+    if not _concrete(slot_mapping, tslot, positions):
+        return
+    s = layout.strides(0)                                    # every layer has the same slots
+    pos, loc, ts = (np.asarray(x) for x in (positions, slot_mapping, tslot))
+    orphan = ((pos >= 0) & (pos % s.kpool == s.kpool - 1) & addr.pool_slot_valid(s, loc)
+              & ~addr.tail_slot_valid(s, ts))
+    if orphan.any():
+        i = int(np.argmax(orphan.ravel()))
+        raise ValueError(f"{op}: token {_at(pos.shape, i)} completes pool slot {int(loc.ravel()[i])} but its "
+                         f"tail slot {int(ts.ravel()[i])} is invalid (valid: {s.ring} .. "
+                         f"{s.num_tail_slots - 1}); the pool's other members are in its own tail ring, "
+                         f"so such a token writes nothing")
+
+
 def _strides(layout, layer, fault):
     return layout.strides(layer, fault=fault)
 
@@ -257,6 +276,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
         _check(op, name, x, (b, n), _INT)
     _refuse_null_block(op, "slot_mapping", slot_mapping, layout, "pool", positions)
     _refuse_null_block(op, "tslot", tslot, layout, "tail", positions)
+    _refuse_completions_without_tail(op, slot_mapping, tslot, positions, layout)
     _check_pool_slots(op, slot_mapping, layout, flat_rows=False, positions=positions)
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)

@@ -118,9 +118,9 @@ def decode_update_strides(cache, s: CacheStrides, key, gate, ape, slot_mapping, 
     """key, gate: [B, n, 128] bf16; ape [R, 128] f32; slot_mapping, tslot, positions: [B, n] int32.
 
     Per request, tokens are taken in index (= position) order. For each token:
-    1. if it completes a pool (pos % R == R-1, valid slot): read the pool's first
-       R-1 members from the ring (before this token's stash), pool with the
-       current token, write the record;
+    1. if it completes a pool (pos % R == R-1, valid pool slot and valid tail slot:
+       ``addressing.decode_completes``): read the pool's first R-1 members from the
+       ring (before this token's stash), pool with the current token, write the record;
     2. then, if pos >= 0 and its tail slot is valid, stash K and gate in ring slot
        pos % ring (gated on the token-granular tail slot, bug B3).
     Requests are independent (distinct tail blocks), so each token step is
@@ -145,9 +145,8 @@ def _decode_token(view, s: CacheStrides, key, gate, ape, loc, ts, pos):
     ts = ts.astype(jnp.int32)
     loc = loc.astype(jnp.int32)
     blk = addr.tail_block(s, ts)                                           # [B] (this token's own)
-    live = pos >= 0
     pos_c = jnp.maximum(pos, 0)
-    complete = live & (pos_c % r == r - 1) & addr.pool_slot_valid(s, loc)
+    complete = addr.decode_completes(s, pos, loc, ts)
     keys, gates = [], []
     for j in range(r - 1):
         rs = (jnp.maximum(pos_c - (r - 1), 0) + j) % s.ring
@@ -159,7 +158,7 @@ def _decode_token(view, s: CacheStrides, key, gate, ape, loc, ts, pos):
     gates.append(gate.astype(jnp.bfloat16))
     q8, scale = nm.compress_pool(keys, gates, [ape[j] for j in range(r)])
     view = _write_pools(view, s, jnp.where(complete, loc, 0), q8, scale, complete)
-    stash = live & addr.tail_slot_valid(s, ts)
+    stash = addr.decode_stashes(s, pos, ts)
     rs_now = pos_c % s.ring
     for half, rows in ((0, key), (1, gate)):
         local = addr.tail_row_words(s, blk, rs_now, half)[:, None] + w64

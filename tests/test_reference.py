@@ -431,6 +431,12 @@ def test_padding_and_out_of_range_write_nothing(rng):
                             np.array([[-1, n_pool, -1, n_pool + 3]], np.int32),
                             np.array([[-1, n_tail, n_tail + 2, -5]], np.int32), pos),
               "decode invalid tslot/slot")
+    # valid pool slots (block 2) with tail slots in block 0, padding or past the last block:
+    # no stash, and no pool either (its other members would come from block 0's ring)
+    unchanged(refjit.decode(clean, layout, 0, kd, gd, ape,
+                            2 * c.pools_per_block + np.array([[1, 2, 3, 4]], np.int32),
+                            np.array([[3, -1, n_tail + 2, 7]], np.int32), pos),
+              "decode completions without a tail slot")
     # ... and slots in block 0 (pool and tail) write nothing
     unchanged(refjit.decode(clean, layout, 0, kd, gd, ape, np.array([[0, 5, 6, 7]], np.int32),
                             np.array([[3, 7, 2, 3]], np.int32), pos), "decode block 0")
@@ -466,6 +472,8 @@ def _bad_calls(layout, a):
     null_tail = a["tslot"].at[5].set(7)
     null_dec = a["dslot"].at[0, 2].set(3)
     null_dec_tail = a["dtslot"].at[1, 0].set(0)
+    orphan = a["dtslot"].at[0, 2].set(-1)                 # token [0, 2] completes pool 99 (position 3)
+    orphan_far = a["dtslot"].at[0, 2].set(4 * 8 + 3)      # ... with a tail slot past the last block
     x = dict(implementation="xla")
     return [
         ("seed key f32", lambda c: S(c, layout, 0, f32(a["key"]), a["gate"], a["tslot"], **x),
@@ -534,6 +542,12 @@ def _bad_calls(layout, a):
         ("decode null tail", lambda c: D(c, layout, 0, a["dkey"], a["dgate"], a["ape"], a["dslot"],
                                          null_dec_tail, a["dpos"], **x),
          r"decode_update: tslot\[1, 0\] = 0 is a tail slot of the null block 0"),
+        ("decode no tail", lambda c: D(c, layout, 0, a["dkey"], a["dgate"], a["ape"], a["dslot"], orphan,
+                                       a["dpos"], **x),
+         r"decode_update: token \[0, 2\] completes pool slot 99 but its tail slot -1 is invalid"),
+        ("decode tail past the end", lambda c: D(c, layout, 0, a["dkey"], a["dgate"], a["ape"], a["dslot"],
+                                                 orphan_far, a["dpos"], **x),
+         r"decode_update: token \[0, 2\] completes pool slot 99 but its tail slot 35 is invalid"),
     ]
 
 

@@ -89,11 +89,11 @@ def test_null_block_is_never_written(rng, impl):
         np.testing.assert_array_equal(got, want)
 
     # decode: request 0 well formed (tail block 2, completes into block 3), request 1 with
-    # tail slots in block 0, request 2 completes into block 0
+    # tail slots in block 0 (completes into block 4), request 2 completes into block 0
     pos = np.array([[8, 9, 10, 11], [4, 5, 6, 7], [12, 13, 14, 15]])
     dts = np.stack([2 * RING + pos[0] % RING, pos[1] % RING, 5 * RING + pos[2] % RING])
     dsl = np.full((B, N), -1)
-    dsl[:, 3] = [3 * PPB + 5, -1, int(rng.integers(0, PPB))]
+    dsl[:, 3] = [3 * PPB + 5, 4 * PPB + 6, int(rng.integers(0, PPB))]
     dk, dg = _rows(rng, B, N), _rows(rng, B, N)
     start = _random_cache(rng)
     null_t, null_s = dts < RING, (dsl >= 0) & (dsl < PPB)
@@ -137,3 +137,35 @@ def test_null_block_slots_are_refused_on_concrete_input(rng):
     pad = np.where(np.arange(N) == 3, -1, pos)
     ops.decode_update(cache, LAYOUT, LAYER, dk, dk, ape, _i32(bad), _i32(dts), _i32(pad), implementation="xla")
     assert (_bytes(cache) == 0x5A).all()
+
+
+# ---------------------------------------------------------------------------------
+# 2. a decode token without a valid tail slot writes nothing, not even its pool
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_completion_without_tail_slot_writes_nothing(rng, impl):
+    """A pool-completing decode token with a valid pool slot but an invalid tail slot
+    (-1, negative, past the last block) writes nothing: its pool's earlier members are
+    in its own tail ring, which it has none of. On main it wrote the pool, pooled from
+    block 0's ring bytes (the address an invalid tail slot is clamped to)."""
+    start = _random_cache(rng)
+    ape = jnp.asarray(rng.standard_normal((R, 128)), jnp.float32)
+    dk, dg = _rows(rng, B, N), _rows(rng, B, N)
+    p0 = R * rng.integers(1, 9, size=B)
+    pos = p0[:, None] + np.arange(N)                       # every request completes at token 3
+    dts = np.stack([(1 + b) * RING + pos[b] % RING for b in range(B)])
+    dsl = np.full((B, N), -1)
+    dsl[:, 3] = 4 * PPB + rng.permutation(PPB)[:B]
+    bad = rng.choice([-1, -7, LAYOUT.num_blocks * RING, LAYOUT.num_blocks * RING + 5], size=B)
+    dts[:, 3] = bad
+    dts[0, 1] = -1                                           # and a stash-only token without one
+    got = _bytes(_decode(start, LAYOUT, LAYER, dk, dg, ape, _i32(dsl), _i32(dts), _i32(pos), implementation=impl))
+    want = _bytes(_decode(start, LAYOUT, LAYER, dk, dg, ape, _i32(np.full((B, N), -1)), _i32(dts), _i32(pos),
+                          implementation=impl))
+    np.testing.assert_array_equal(got, want)
+    # the other tokens did stash
+    assert (got != _bytes(start)).any()
+    # on concrete input such a completion is refused
+    with pytest.raises(ValueError, match=rf"decode_update: token \[0, 3\] completes pool slot {dsl[0, 3]} but "
+                                         rf"its tail slot {bad[0]} is invalid"):
+        ops.decode_update(start, LAYOUT, LAYER, dk, dg, ape, _i32(dsl), _i32(dts), _i32(pos), implementation=impl)

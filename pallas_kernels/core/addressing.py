@@ -74,6 +74,21 @@ def tail_slot_valid(s: CacheStrides, tslot):
     return (tslot >= s.ring) & (tslot < s.num_tail_slots)
 
 
+def decode_stashes(s: CacheStrides, pos, tslot):
+    """Whether a decode token stashes its key and gate into its ring row: it is live
+    (pos >= 0) and its tail slot is valid (gated on the token-granular tail slot, not on
+    the pool slot: bug B3)."""
+    return (pos >= 0) & tail_slot_valid(s, tslot)
+
+
+def decode_completes(s: CacheStrides, pos, loc, tslot):
+    """Whether a decode token completes (writes) pool slot `loc`: it is live, the last
+    token of its pool (pos % kpool == kpool - 1), its pool slot is valid, and so is its
+    tail slot, since the pool's earlier members come from that tail block's ring. A
+    token without a valid tail slot has no ring to pool from and writes nothing."""
+    return decode_stashes(s, pos, tslot) & (pos % s.kpool == s.kpool - 1) & pool_slot_valid(s, loc)
+
+
 def tail_slot(s, block, pos):
     """Token-granular tail slot of position `pos` in tail `block`: block * ring + pos % ring
     (``tail_block`` inverts it). `s`: CacheStrides, or the IndexerConfig behind it (the
@@ -86,7 +101,7 @@ def tail_block(s: CacheStrides, tslot):
 
     An invalid slot (negative padding, the null block 0, or a block id >= num_blocks)
     maps to the null block 0: that keeps every address inside the buffer; such a token
-    never writes.
+    never writes (and a decode token with one completes no pool either).
     """
     return (tslot * tail_slot_valid(s, tslot)) // s.ring
 

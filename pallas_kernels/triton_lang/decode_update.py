@@ -1,8 +1,9 @@
 """Triton kernel: batched decode update with pool completion (spec 5.4).
 
 Touches ONLY, per request b and token t (in index = position order):
-  * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc):
-    the 128 key bytes and 4 scale bytes of pool slot loc;
+  * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc and
+    valid tail slot: ``addressing.decode_completes``): the 128 key bytes and 4 scale
+    bytes of pool slot loc;
   * if pos >= 0 and its tail slot is valid: the 2 x 256 bytes of ring row
     pos % ring of its own tail block (tslot // ring).
 It reads the kpool-1 earlier members of a completing pool from the same ring.
@@ -47,11 +48,10 @@ def decode_targets(s: CacheStrides, slot_mapping, tslot, positions):
     completes nothing. The ring block is the token's own (tail_block(tslot), bug B4).
     """
     r = s.kpool
-    live = positions >= 0
     pos_c = jnp.maximum(positions, 0)
     blk = addr.tail_block(s, tslot)                                                  # [B, n]
-    complete = live & (pos_c % r == r - 1) & addr.pool_slot_valid(s, slot_mapping)
-    stash = live & addr.tail_slot_valid(s, tslot)
+    complete = addr.decode_completes(s, positions, slot_mapping, tslot)
+    stash = addr.decode_stashes(s, positions, tslot)
 
     def ring_entry(ring_slot, write):
         out = []
