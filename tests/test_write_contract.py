@@ -169,3 +169,103 @@ def test_completion_without_tail_slot_writes_nothing(rng, impl):
     with pytest.raises(ValueError, match=rf"decode_update: token \[0, 3\] completes pool slot {dsl[0, 3]} but "
                                          rf"its tail slot {bad[0]} is invalid"):
         ops.decode_update(start, LAYOUT, LAYER, dk, dg, ape, _i32(dsl), _i32(dts), _i32(pos), implementation=impl)
+
+
+# ---------------------------------------------------------------------------------
+# 3. non-finite input: one answer, whatever the implementation or the batch
+# ---------------------------------------------------------------------------------
+FLOOR_SCALE_BITS = 0x34800000               # 2**-22
+
+
+def _pool_cases(rng):
+    """(name, key [R, 128], gate [R, 128], non_finite) pools: NaN / +-inf keys and gates,
+    keys whose pooled rotation overflows (1e37), finite but huge gates (the softmax's
+    differences overflow to -inf, which the exp's clamp takes: a finite pool), and a
+    plain one."""
+    def base():
+        return (rng.standard_normal((R, 128)) * 3).astype(np.float32), rng.standard_normal((R, 128)).astype(np.float32)
+    out = []
+    for name, where, v, bad in [("nan key", "key", np.nan, True), ("inf key", "key", np.inf, True),
+                                ("-inf key", "key", -np.inf, True), ("nan gate", "gate", np.nan, True),
+                                ("inf gate", "gate", np.inf, True), ("-inf gate", "gate", -np.inf, True)]:
+        k, g = base()
+        (k if where == "key" else g)[int(rng.integers(0, R)), int(rng.integers(0, 128))] = v
+        out.append((name, k, g, bad))
+    k, g = base()
+    out.append(("1e37 keys", np.full_like(k, 1e37), g, True))          # rotation: 128e37 / sqrt(128)
+    k, g = base()
+    out.append(("+-1e36 keys", np.full_like(k, 1e36) * np.sign(rng.standard_normal((1, 128))), g, False))   # <= 128e36
+    k, g = base()
+    out.append(("3e38 gates", k, np.where(g < 0, -3e38, 3e38).astype(np.float32), False))
+    k, g = base()
+    out.append(("1e37 gates", k, (g * 1e37).astype(np.float32), False))
+    k, g = base()
+    out.append(("plain", k, g, False))
+    return out
+
+
+def _pool_record(cache, slot):
+    keys, scales = LAYOUT.pool_keys(cache, LAYER)
+    return keys.view(np.uint8)[slot].copy(), int(scales.view(np.uint32)[slot])
+
+
+def _records_alone_and_in_batches(rng, impl, cases, ape, fill):
+    """Each pool written by compress_prefill alone (T = R), in a batch of T rows beside
+    random pools, and by decode_update (three members seeded into a ring, the fourth
+    completing): {(case index, how): (codes, scale bits)}."""
+    out = {}
+    slot0 = 3 * PPB
+    for i, (_, k, g, _) in enumerate(cases):
+        loc = slot0 + i
+        c = _compress(LAYOUT.allocate(fill), LAYOUT, LAYER, jnp.asarray(k, jnp.bfloat16),
+                      jnp.asarray(g, jnp.bfloat16), ape, _i32(np.r_[-1, -1, -1, loc]), implementation=impl)
+        out[i, "alone"] = _pool_record(c, loc)
+        # in a batch: the pool at a random pool position among random ones
+        at = int(rng.integers(0, T // R))
+        kb = (rng.standard_normal((T, 128)) * 3).astype(np.float32)
+        gb = rng.standard_normal((T, 128)).astype(np.float32)
+        kb[at * R:(at + 1) * R], gb[at * R:(at + 1) * R] = k, g
+        sm = np.full(T, -1)
+        sm[R - 1::R] = 4 * PPB + rng.permutation(PPB)[:T // R]
+        sm[at * R + R - 1] = loc
+        c = _compress(LAYOUT.allocate(fill), LAYOUT, LAYER, jnp.asarray(kb, jnp.bfloat16),
+                      jnp.asarray(gb, jnp.bfloat16), ape, _i32(sm), implementation=impl)
+        out[i, "batch"] = _pool_record(c, loc)
+        # decode: members 0..R-2 seeded into tail block 1 (positions 0..R-2), member R-1 completes
+        ks, gs = np.zeros((T, 128), np.float32), np.zeros((T, 128), np.float32)
+        ks[:R - 1], gs[:R - 1] = k[:R - 1], g[:R - 1]
+        ts = np.full(T, -1)
+        ts[:R - 1] = RING + np.arange(R - 1)
+        c = _seed(LAYOUT.allocate(fill), LAYOUT, LAYER, jnp.asarray(ks, jnp.bfloat16), jnp.asarray(gs, jnp.bfloat16),
+                  _i32(ts), implementation=impl)
+        pos, dts, dsl = np.full((B, N), -1), np.full((B, N), -1), np.full((B, N), -1)
+        pos[0, 0], dts[0, 0], dsl[0, 0] = R - 1, RING + R - 1, loc
+        dk, dg = np.zeros((B, N, 128), np.float32), np.zeros((B, N, 128), np.float32)
+        dk[0, 0], dg[0, 0] = k[R - 1], g[R - 1]
+        c = _decode(c, LAYOUT, LAYER, jnp.asarray(dk, jnp.bfloat16), jnp.asarray(dg, jnp.bfloat16), ape, _i32(dsl),
+                    _i32(dts), _i32(pos), implementation=impl)
+        out[i, "decode"] = _pool_record(c, loc)
+    return out
+
+
+def test_non_finite_pools_have_one_answer(rng):
+    """A pool with a NaN or +-inf key or score, or whose rotation overflows (1e37 keys),
+    is written as all-zero fp8 codes with the floor scale 2**-22, by the reference and
+    the Pallas kernels, by the prefill writer and the decode writer, alone or beside
+    other pools. Finite pools, huge gates included, agree the same way. On main the
+    bytes of such a pool depended on the implementation and on the batch around it
+    (scale -0.0 alone, 2**-22 in a batch, NaN codes)."""
+    cases = _pool_cases(rng)
+    ape = jnp.asarray(rng.standard_normal((R, 128)) * 0.5, jnp.float32)
+    fill = int(rng.integers(0, 256))
+    got = {impl: _records_alone_and_in_batches(rng, impl, cases, ape, fill) for impl in IMPLS}
+    for i, (name, _, _, bad) in enumerate(cases):
+        want_codes, want_scale = got["xla"][i, "alone"]
+        for impl in IMPLS:
+            for how in ("alone", "batch", "decode"):
+                codes, scale = got[impl][i, how]
+                assert scale == want_scale and (codes == want_codes).all(), f"{name}: {impl} {how} differs"
+        if bad:
+            assert want_scale == FLOOR_SCALE_BITS and (want_codes == 0).all(), f"{name}: not the zero record"
+        else:
+            assert want_scale != FLOOR_SCALE_BITS and np.isfinite(np.uint32(want_scale).view(np.float32)), name
