@@ -202,6 +202,59 @@ def _refuse_completions_without_tail(op, slot_mapping, tslot, positions, layout)
                          f"so such a token writes nothing")
 
 
+def _check_seed_rows(op, tslot, request_ends_tokens, layout):
+    """Concrete inputs only: the rows seed_tail writes are well defined, and
+    request_ends_tokens (when given) agrees with the tail slots.
+
+    The seeded rows (``reference.seed_tail_strides``' rule: a valid tail slot, and the
+    row kpool ahead absent, padding or in another tail block) must not write one tail
+    slot twice: which row would win is left to the backend. An entry of
+    request_ends_tokens is 0 (padding) or one past a request's last row (a row with a
+    valid tail slot whose next row is absent, padding or in another tail block), and
+    every seeded row lies in the last kpool rows before an entry. Under jit a row is
+    seeded only inside those windows, in every implementation (``reference.end_windows``).
+    """
+    if not _concrete(tslot, request_ends_tokens):
+        return
+    s = layout.strides(0)                                    # every layer has the same tail slots
+    ts = np.asarray(tslot).astype(np.int64)
+    t, r = ts.size, s.kpool
+    valid = addr.tail_slot_valid(s, ts)
+    blk = addr.tail_block(s, ts)
+    ahead = np.concatenate([ts[r:], np.full(min(r, t), -1)])
+    seeded = valid & ((ahead < 0) | (addr.tail_block(s, ahead) != blk))
+    rows = np.nonzero(seeded)[0]
+    order = np.argsort(ts[rows], kind="stable")
+    same = np.nonzero(np.diff(ts[rows][order]) == 0)[0]
+    if same.size:
+        i, j = sorted(rows[order][same[0]:same[0] + 2])
+        raise ValueError(f"{op}: rows {i} and {j} both seed tail slot {int(ts[i])} (each is among its request's "
+                         f"last kpool = {r} rows); a ring row is written once per call")
+    if request_ends_tokens is None:
+        return
+    e = np.asarray(request_ends_tokens).astype(np.int64)
+    if (e < 0).any():
+        k = int(np.argmax(e < 0))
+        raise ValueError(f"{op}: request_ends_tokens[{k}] = {int(e[k])} is negative; entries are one past a "
+                         f"request's last row, or 0 for padding")
+    nxt_valid = np.concatenate([valid[1:], [False]])
+    nxt_blk = np.concatenate([blk[1:], [-1]])
+    last = valid & (~nxt_valid | (nxt_blk != blk))           # the last row of its request
+    for k, end in enumerate(e):
+        if end > 0 and not last[end - 1]:
+            why = ("has no valid tail slot" if not valid[end - 1] else
+                   f"is followed by row {end} of the same tail block {int(blk[end - 1])}")
+            raise ValueError(f"{op}: request_ends_tokens[{k}] = {int(end)} ends no request: row {int(end) - 1} {why}")
+    covered = np.zeros(t, bool)
+    for end in e[e > 0]:
+        covered[max(int(end) - r, 0):int(end)] = True
+    missing = seeded & ~covered
+    if missing.any():
+        i = int(np.argmax(missing))
+        raise ValueError(f"{op}: request_ends_tokens has no entry for the request of row {i} (tail block "
+                         f"{int(blk[i])}), which seed_tail writes; every request needs one past its last row")
+
+
 def _strides(layout, layer, fault):
     return layout.strides(layer, fault=fault)
 
@@ -212,10 +265,13 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
 
     key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots (-1 = padding).
     request_ends_tokens: optional [N] int32, one past the last row of each request in the
-    batch (vLLM's query_start_loc[1:]; <= 0 marks a padding entry). It changes no
-    byte written; it lets the kernel visit only each request's last kpool rows, so
-    the cost no longer grows with the prompt length. Each request's rows must be
-    contiguous and end at its entry.
+    batch (vLLM's query_start_loc[1:]; 0 marks a padding entry). It lets the kernel
+    visit only each request's last kpool rows, so the cost no longer grows with the
+    prompt length; entries that agree with the tail slots change no byte written.
+    Each request's rows must be contiguous and end at its entry. Under jit every
+    implementation seeds only rows inside the windows [e - kpool, e) of the entries
+    e > 0; on concrete input disagreeing entries are refused (docs/design.md, "Input
+    contract of the ops").
     """
     op = "seed_tail"
     _check_cache(op, cache, layout)
@@ -230,6 +286,7 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
             if (e > t).any():
                 raise ValueError(f"{op}: request_ends_tokens must be <= the batch's {t} rows, got max {e.max()}")
     _refuse_null_block(op, "tslot", tslot, layout, "tail")
+    _check_seed_rows(op, tslot, request_ends_tokens, layout)
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)
     return DISPATCH[op, impl](cache, s, key, gate, tslot, request_ends_tokens, interpret=interpret)
@@ -589,7 +646,8 @@ _triton_decode_update = _triton_kernel("decode_update", "decode_update")
 # =================================================================================
 DISPATCH = {
     ("seed_tail", "xla"):
-        lambda cache, s, key, gate, tslot, ends, *, interpret: ref.seed_tail_strides(cache, s, key, gate, tslot),
+        lambda cache, s, key, gate, tslot, ends, *, interpret: ref.seed_tail_strides(cache, s, key, gate, tslot,
+                                                                                     ends),
     ("seed_tail", "pallas"):
         lambda cache, s, key, gate, tslot, ends, *, interpret: _tail_seed.seed_tail(
             cache, s, key, gate, tslot, ends, interpret=interpret),

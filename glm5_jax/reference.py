@@ -53,12 +53,17 @@ _compress_pool = jax.jit(nm.compress_pool)
 # ---------------------------------------------------------------------------------
 # tail seed (spec 5.3)
 # ---------------------------------------------------------------------------------
-def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot):
-    """key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots.
+def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot, request_ends_tokens=None):
+    """key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots;
+    request_ends_tokens: optional [N] int32, one past each request's last row.
 
     Token i is seeded iff its tslot is valid and it is among its request's last R
     tokens of the batch: looking R rows ahead finds the end of the batch, padding,
-    or another tail block (= another request).
+    or another tail block (= another request). With request_ends_tokens, also only
+    if it lies in the window [e - R, e) of an entry e > 0 (``end_windows``): the rows
+    the kernels visit. For entries that agree with the tail slots (what ``ops``
+    checks on concrete input) every seeded row lies in a window, so the bytes are
+    those without them.
     """
     t = key.shape[0]
     r = s.kpool
@@ -67,6 +72,8 @@ def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot):
     valid = addr.tail_slot_valid(s, tslot)
     last_r = (ahead < 0) | (addr.tail_block(s, ahead) != addr.tail_block(s, tslot))
     seeded = valid & last_r                                              # [T]
+    if request_ends_tokens is not None:
+        seeded = seeded & end_windows(t, r, request_ends_tokens)
     blk = addr.tail_block(s, tslot)
     ring_slot = tslot % s.ring
     view = _view(cache, s)
@@ -76,6 +83,16 @@ def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot):
         view = _scatter_words(view, s, local, nm.pack_bf16_words(rows.astype(jnp.bfloat16)),
                               seeded[:, None])
     return view.reshape(-1)
+
+
+def end_windows(t: int, r: int, request_ends_tokens):
+    """[T] bool: row i lies in [e - r, e) for some entry e > 0 of request_ends_tokens
+    (entries <= 0 are padding; rows past the batch do not exist). The rows the seed
+    kernels visit in their request-ends mode."""
+    e = request_ends_tokens.astype(jnp.int32)                           # [N]
+    rows = e[:, None] - r + jnp.arange(r, dtype=jnp.int32)[None, :]     # [N, r]
+    ok = (e[:, None] > 0) & (rows >= 0) & (rows < t)
+    return jnp.zeros((t,), bool).at[jnp.where(ok, rows, t).reshape(-1)].set(True, mode="drop")
 
 
 # ---------------------------------------------------------------------------------
@@ -178,8 +195,8 @@ def fwht_quant(q):
 # ---------------------------------------------------------------------------------
 # public signatures (ARCHITECTURE.md): layout + layer instead of strides
 # ---------------------------------------------------------------------------------
-def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot):
-    return seed_tail_strides(cache, layout.strides(layer), key, gate, tslot)
+def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, request_ends_tokens=None):
+    return seed_tail_strides(cache, layout.strides(layer), key, gate, tslot, request_ends_tokens)
 
 
 def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping):

@@ -17,6 +17,7 @@ import pytest
 from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
+from pallas_kernels.core import addressing as addr
 
 IMPLS = ["xla", "pallas"]
 # 32 pools per block (one page), ring 4, two layers: the writes go to layer 1
@@ -269,3 +270,82 @@ def test_non_finite_pools_have_one_answer(rng):
             assert want_scale == FLOOR_SCALE_BITS and (want_codes == 0).all(), f"{name}: not the zero record"
         else:
             assert want_scale != FLOOR_SCALE_BITS and np.isfinite(np.uint32(want_scale).view(np.float32)), name
+
+
+# ---------------------------------------------------------------------------------
+# 4. seed_tail's request_ends_tokens: refused when it disagrees, one meaning under jit
+# ---------------------------------------------------------------------------------
+def _seed_batch(rng):
+    """A flat prefill of three requests (9, 2 and 4 rows; tail blocks 1, 2, 3) and one
+    padding row, and its request_ends_tokens."""
+    lengths, blocks = [9, 2, 4], [1, 2, 3]
+    ts = np.concatenate([b * RING + np.arange(n) % RING for n, b in zip(lengths, blocks)] + [[-1]])
+    return ts, np.cumsum(lengths)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_request_ends_have_one_meaning_under_jit(rng, impl):
+    """Under jit a row is seeded only inside the window [e - kpool, e) of an entry e > 0,
+    by the reference as by the kernels: entries that miss a request leave its tail
+    alone, a wrong end seeds only the rows of its window that the rule seeds anyway,
+    negative entries count as padding. With agreeing entries the bytes are those without
+    them. On main the reference ignored the entries and the kernels did not."""
+    ts, ends = _seed_batch(rng)
+    key, gate = _rows(rng, T), _rows(rng, T)
+    fill = int(rng.integers(0, 256))
+    tsp = _i32(np.r_[ts, np.full(T - ts.size, -1)])
+
+    def seed(ends_, tslot=tsp):
+        e = None if ends_ is None else _i32(ends_)
+        return _bytes(_seed(LAYOUT.allocate(fill), LAYOUT, LAYER, key, gate, tslot, request_ends_tokens=e,
+                            implementation=impl))
+
+    plain = seed(None)
+    np.testing.assert_array_equal(seed(np.r_[ends, 0, 0]), plain)
+    # request 1 (rows 9, 10) missing: as if its rows had no tail slot
+    without = np.asarray(tsp).copy()
+    without[9:11] = -1
+    np.testing.assert_array_equal(seed(np.r_[ends[[0, 2]], -3, 0]), seed(None, _i32(without)))
+    # a wrong end: 6 instead of 9 visits rows 2 .. 5, of which the rule seeds row 5 (it looks
+    # 4 rows ahead at row 9: another block); request 1's entry 11 visits rows 7 .. 10; so row
+    # 6 (position 6: ring slot 2 of tail block 1) is not seeded and keeps the fill
+    want = plain.copy()
+    s = LAYOUT.strides(LAYER)
+    for half in (0, 1):
+        w = addr.global_word(s, addr.tail_row_words(s, 1, 6 % RING, half))
+        want[4 * w:4 * w + 256] = fill
+    np.testing.assert_array_equal(seed(np.r_[6, ends[1:], 0]), want)
+    if impl == "pallas":                      # and the implementations agree on every one of these
+        for e in (np.r_[ends[[0, 2]], -3, 0], np.r_[6, ends[1:], 0], np.r_[3, 3, 16, -1]):
+            want = _bytes(_seed(LAYOUT.allocate(fill), LAYOUT, LAYER, key, gate, tsp, request_ends_tokens=_i32(e),
+                                implementation="xla"))
+            np.testing.assert_array_equal(seed(e), want)
+
+
+def test_request_ends_that_disagree_are_refused(rng):
+    """On concrete input seed_tail refuses entries that disagree with the tail slots: a
+    negative entry, an entry that ends no request (mid-request, or one past a padding
+    row), a request without an entry; and rows that would seed one tail slot twice."""
+    ts, ends = _seed_batch(rng)
+    tsp = _i32(np.r_[ts, np.full(T - ts.size, -1)])
+    key = _rows(rng, T)
+    cache = LAYOUT.allocate(0x3C)
+
+    def call(e, tslot=tsp):
+        return ops.seed_tail(cache, LAYOUT, LAYER, key, key, tslot, request_ends_tokens=None if e is None else _i32(e),
+                             implementation="xla")
+
+    ok = call(np.r_[ends, 0])                                   # agreeing entries and padding are fine
+    assert (_bytes(ok) != 0x3C).any()
+    for e, msg in [(np.r_[ends, -1], r"request_ends_tokens\[3\] = -1 is negative"),
+                   (np.r_[7, ends[1:]], r"request_ends_tokens\[0\] = 7 ends no request: row 6 is followed by row 7 "
+                                        r"of the same tail block 1"),
+                   (np.r_[ends, 16], r"request_ends_tokens\[3\] = 16 ends no request: row 15 has no valid tail slot"),
+                   (ends[[0, 2]], r"request_ends_tokens has no entry for the request of row 9 \(tail block 2\)")]:
+        with pytest.raises(ValueError, match=msg):
+            call(e)
+    twice = np.asarray(tsp).copy()
+    twice[12] = twice[14]                                       # request 2 (rows 11 .. 14) repeats a tail slot
+    with pytest.raises(ValueError, match=r"seed_tail: rows 12 and 14 both seed tail slot"):
+        call(None, _i32(twice))
+    assert (_bytes(cache) == 0x3C).all()
