@@ -215,7 +215,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
 import numpy as _np
 from jax import lax as _lax
 
-MAX_HEADS = 64
+from .config import MAX_HEADS  # noqa: E402  (the head limit lives with the config that checks it)
 _INT32_MIN = -(2**31)
 
 

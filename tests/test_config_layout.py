@@ -122,7 +122,9 @@ def test_next_pow2():
 BAD_CONFIGS = [
     (dict(head_dim=64), r"head_dim must be 128"),
     (dict(head_dim=256), r"head_dim must be 128"),
-    (dict(n_heads=0), r"n_heads must be >= 1"),
+    (dict(n_heads=0), r"n_heads must be in \[1, 64\]"),
+    (dict(n_heads=65), r"n_heads must be in \[1, 64\] \(the logits run 32 or 64 zero-padded heads\), got 65"),
+    (dict(n_heads=-3), r"n_heads must be in \[1, 64\]"),
     (dict(kpool=0), r"kpool must be >= 1"),
     (dict(num_spec_tokens=-1), r"num_spec_tokens must be >= 0"),
     (dict(topk=2046), r"topk \(2046\) must be a positive multiple of kpool"),
@@ -138,10 +140,15 @@ BAD_CONFIGS = [
     (dict(block_size=128, num_spec_tokens=5), r"tail ring larger than an indexer block"),
     # ring 8 (n_spec 1) fits in S = 33 rows (4356 B) but does not divide 132 tokens
     (dict(block_size=132, num_spec_tokens=1), r"ring \(8\) must divide block_size \(132\)"),
-    (dict(block_size=1152.0), r"IndexerConfig.block_size must be an int"),
-    (dict(kpool=True), r"IndexerConfig.kpool must be an int"),
-    (dict(num_spec_tokens="1"), r"IndexerConfig.num_spec_tokens must be an int"),
-    (dict(n_heads=np.float32(32)), r"IndexerConfig.n_heads must be an int"),
+    (dict(block_size=2**27), r"block_size \(134217728\) too large: an indexer block of 4429185024 B leaves no "
+                             r"room for the 2 blocks"),
+    (dict(block_size=1152.0), r"IndexerConfig.block_size must be an int, got 1152.0 \(float\)"),
+    (dict(kpool=True), r"IndexerConfig.kpool must be an int, got True \(bool\)"),
+    (dict(kpool=np.bool_(True)), r"IndexerConfig.kpool must be an int, got np.True_ \(bool\)"),
+    (dict(num_spec_tokens="1"), r"IndexerConfig.num_spec_tokens must be an int, got '1' \(str\)"),
+    (dict(n_heads=np.float32(32)), r"IndexerConfig.n_heads must be an int, got .*32.* \(float32\)"),
+    (dict(topk=None), r"IndexerConfig.topk must be an int, got None \(NoneType\)"),
+    (dict(head_dim=128.0), r"IndexerConfig.head_dim must be an int"),
 ]
 
 
@@ -149,6 +156,17 @@ BAD_CONFIGS = [
 def test_config_rejects(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         IndexerConfig(**kwargs)
+
+
+def test_config_takes_numpy_integers_as_ints():
+    """A numpy integer is an int (the value a caller read from an array); the fields
+    hold Python ints, so the config equals and hashes like one built from ints."""
+    c = IndexerConfig(n_heads=np.int32(16), kpool=np.int64(4), block_size=np.uint16(1152), topk=np.int16(2048),
+                      num_spec_tokens=np.int8(1), head_dim=np.int64(128))
+    assert c == IndexerConfig(n_heads=16, num_spec_tokens=1) and hash(c) == hash(IndexerConfig(n_heads=16,
+                                                                                             num_spec_tokens=1))
+    assert all(type(getattr(c, f.name)) is int for f in dataclasses.fields(c))
+    assert IndexerConfig(n_heads=64).n_heads == 64 and IndexerConfig(n_heads=1).n_heads == 1
 
 
 def test_config_accepts_edge_cases():
