@@ -20,7 +20,7 @@ import numpy as np
 from pallas_kernels.core import addressing as addr
 from pallas_kernels.core.strides import AttnStrides, CacheStrides, VIEW_COLS, WORD_BYTES
 
-from .config import IndexerConfig
+from .config import IndexerConfig, checked_int
 
 FAULTS = ("dense-tail-stride",)
 
@@ -34,14 +34,15 @@ class CacheLayout:
 
     def __post_init__(self):
         if not isinstance(self.config, IndexerConfig):
-            raise ValueError("config must be an IndexerConfig")
-        if not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers!r}")
-        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks!r}")
-        if not isinstance(self.attn_block_bytes, int) or self.attn_block_bytes < 0 \
-                or self.attn_block_bytes % WORD_BYTES:
-            raise ValueError(f"attn_block_bytes must be a non-negative multiple of 4, got {self.attn_block_bytes!r}")
+            raise ValueError(f"config must be an IndexerConfig, got {type(self.config).__name__}")
+        for name in ("num_layers", "num_blocks", "attn_block_bytes"):      # numpy integers become ints
+            object.__setattr__(self, name, checked_int("CacheLayout", name, getattr(self, name)))
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
+        if self.attn_block_bytes < 0 or self.attn_block_bytes % WORD_BYTES:
+            raise ValueError(f"attn_block_bytes must be a non-negative multiple of 4, got {self.attn_block_bytes}")
         if self.index_region_bytes // WORD_BYTES >= 2**31 - VIEW_COLS:
             raise ValueError(
                 f"one layer's indexer region ({self.index_region_bytes} B) must stay below 8 GiB; "
@@ -77,17 +78,33 @@ class CacheLayout:
         return self.num_layers * (self.attn_block_bytes + self.config.index_block_bytes)
 
     def attn_base_bytes(self, layer: int) -> int:
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         return addr.layer_base_bytes(0, self.attn_region_bytes, layer)
 
     def index_base_bytes(self, layer: int) -> int:
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         attn_end = addr.layer_base_bytes(0, self.attn_region_bytes, self.num_layers)   # the indexer region's start
         return addr.layer_base_bytes(attn_end, self.index_region_bytes, layer)
 
-    def _check_layer(self, layer):
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+    def _check_layer(self, layer) -> int:
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) \
+                or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return int(layer)
+
+    def _check_block(self, block) -> int:
+        if isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer)) \
+                or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
+        return int(block)
+
+    def _check_cache(self, cache):
+        """The host words of a flat cache of this layout (uint32[total_words]), or a ValueError."""
+        words = np.asarray(cache)
+        if words.dtype != np.uint32 or words.shape != (self.total_words,):
+            raise ValueError(f"cache must be uint32[{self.total_words}] (this layout's flat buffer), got "
+                             f"{words.dtype}{list(words.shape)}")
+        return words
 
     # ---- strides -----------------------------------------------------------------
     def strides(self, layer: int, fault: str | None = None) -> CacheStrides:
@@ -105,7 +122,7 @@ class CacheLayout:
             tail_stride = c.tail_block_bytes
         return CacheStrides(
             kpool=c.kpool, ring=c.ring, page_rows=c.page_rows, pages_per_block=c.pages_per_block,
-            num_blocks=self.num_blocks, index_base_bytes=self.index_base_bytes(int(layer)),
+            num_blocks=self.num_blocks, index_base_bytes=self.index_base_bytes(layer),
             index_block_bytes=c.index_block_bytes, total_bytes=self.total_bytes,
             tail_block_stride_bytes=tail_stride)
 
@@ -117,17 +134,20 @@ class CacheLayout:
         """
         if self.attn_block_bytes == 0:
             raise ValueError("this layout has no attention region (attn_block_bytes = 0)")
-        return AttnStrides(block_size=self.config.block_size, kv_row_bytes=int(kv_row_bytes),
-                           num_blocks=self.num_blocks, attn_base_bytes=self.attn_base_bytes(int(layer)),
+        kv_row_bytes = checked_int("attn_strides", "kv_row_bytes", kv_row_bytes)
+        return AttnStrides(block_size=self.config.block_size, kv_row_bytes=kv_row_bytes,
+                           num_blocks=self.num_blocks, attn_base_bytes=self.attn_base_bytes(layer),
                            attn_block_bytes=self.attn_block_bytes, total_bytes=self.total_bytes)
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, fill_byte: int = 0, device=None):
-        """The flat cache: uint32[total_words], every byte = fill_byte (a sentinel for tests)."""
+        """The flat cache: uint32[total_words], every byte = fill_byte (a sentinel for tests).
+        fill_byte: an int (or numpy integer) in [0, 255]."""
         import jax
         import jax.numpy as jnp
+        fill_byte = checked_int("allocate", "fill_byte", fill_byte)
         if not 0 <= fill_byte <= 255:
-            raise ValueError("fill_byte must be in [0, 255]")
+            raise ValueError(f"fill_byte must be in [0, 255], got {fill_byte}")
         word = np.uint32(fill_byte * 0x01010101)
         buf = jnp.full((self.total_words,), word, dtype=jnp.uint32)
         return jax.device_put(buf, device) if device is not None else buf
@@ -137,7 +157,7 @@ class CacheLayout:
         """(keys fp8 [num_blocks * S, 128], scales f32 [num_blocks * S]) of one layer, by pool slot."""
         import ml_dtypes
         s = self.strides(layer)
-        words = np.asarray(cache).view(np.uint32)
+        words = self._check_cache(cache)
         loc = np.arange(s.num_pool_slots, dtype=np.int64)
         kw = addr.global_word(s, addr.pool_key_words(s, loc))[:, None] + np.arange(addr.KEY_WORDS)
         keys = words[kw].view(np.uint8).reshape(-1, 128).view(ml_dtypes.float8_e4m3fn)
@@ -148,7 +168,7 @@ class CacheLayout:
         """(K, gate) bf16 [num_blocks, ring, 128] of one layer's tail rings, by block and ring slot."""
         import ml_dtypes
         s = self.strides(layer)
-        words = np.asarray(cache).view(np.uint32)
+        words = self._check_cache(cache)
         blk = np.arange(s.num_blocks, dtype=np.int64)[:, None]
         slot = np.arange(s.ring, dtype=np.int64)[None, :]
         out = []
@@ -160,7 +180,7 @@ class CacheLayout:
     def attn_kv(self, cache, layer: int, kv_row_bytes: int):
         """(K, V) raw rows uint8 [num_blocks, block_size, kv_row_bytes] of one layer's attention region."""
         a = self.attn_strides(layer, kv_row_bytes)
-        words = np.asarray(cache).view(np.uint32)
+        words = self._check_cache(cache)
         slot = np.arange(a.num_attn_slots, dtype=np.int64)
         out = []
         for half in (0, 1):
@@ -170,12 +190,15 @@ class CacheLayout:
         return tuple(out)
 
     def block_byte_range(self, layer: int, block: int) -> tuple[int, int]:
-        """[start, end) bytes of indexer block `block` of `layer` (its tail aliases the start)."""
-        return addr.index_block_byte_range(self.strides(layer), block)
+        """[start, end) bytes of indexer block `block` (0 .. num_blocks - 1) of `layer` (its
+        tail aliases the start)."""
+        return addr.index_block_byte_range(self.strides(layer), self._check_block(block))
 
     def attn_block_byte_range(self, layer: int, block: int) -> tuple[int, int]:
-        """[start, end) bytes of attention block `block` of `layer` (empty when there is no region)."""
-        return addr.attn_block_byte_range(self.attn_base_bytes(layer), self.attn_block_bytes, block)
+        """[start, end) bytes of attention block `block` (0 .. num_blocks - 1) of `layer`
+        (empty when there is no region)."""
+        return addr.attn_block_byte_range(self.attn_base_bytes(layer), self.attn_block_bytes,
+                                          self._check_block(block))
 
     # ---- memory plan ---------------------------------------------------------------
     def summary(self) -> dict:

@@ -294,9 +294,14 @@ def test_layout_strides_1152_and_dense_fault():
 BAD_LAYOUTS = [
     (lambda: CacheLayout("cfg", 1, 4), "config must be an IndexerConfig"),
     (lambda: CacheLayout(IndexerConfig(), 0, 4), "num_layers must be >= 1"),
-    (lambda: CacheLayout(IndexerConfig(), 1.0, 4), "num_layers must be >= 1"),
+    (lambda: CacheLayout(IndexerConfig(), 1.0, 4), r"CacheLayout.num_layers must be an int, got 1.0 \(float\)"),
+    (lambda: CacheLayout(IndexerConfig(), True, 4), r"CacheLayout.num_layers must be an int, got True \(bool\)"),
     (lambda: CacheLayout(IndexerConfig(), 1, 1), r"num_blocks must be >= 2 \(block 0 is the null block\)"),
-    (lambda: CacheLayout(IndexerConfig(), 1, 4.0), "num_blocks must be >= 2"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4.0), r"CacheLayout.num_blocks must be an int, got 4.0 \(float\)"),
+    (lambda: CacheLayout(IndexerConfig(), 1, np.int32(1)), r"num_blocks must be >= 2 \(block 0 is the null block\), "
+                                                          r"got 1$"),
+    (lambda: CacheLayout(IndexerConfig(), 1, np.float64(8)), r"CacheLayout.num_blocks must be an int, got "
+                                                            r"np.float64\(8.0\) \(float64\)"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=6), "attn_block_bytes must be a non-negative multiple of 4"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=-4), "attn_block_bytes must be"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=8.0), "attn_block_bytes must be"),
@@ -306,8 +311,21 @@ BAD_LAYOUTS = [
     (lambda: CacheLayout(IndexerConfig(), 2, 4).index_base_bytes(1.0), "layer must be an int"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).attn_base_bytes(5), "layer must be an int"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(0, fault="dense"), "unknown fault 'dense'"),
-    (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(256), r"fill_byte must be in \[0, 255\]"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(256), r"fill_byte must be in \[0, 255\], got 256"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(-1), r"fill_byte must be in \[0, 255\]"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(1.5), r"allocate.fill_byte must be an int, got 1.5 \(float\)"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(True), r"allocate.fill_byte must be an int, got True \(bool\)"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(True), r"layer must be an int in \[0, 2\), got True"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4).block_byte_range(0, 4), r"block must be an int in \[0, 4\), got 4"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4).block_byte_range(1, -1), r"block must be an int in \[0, 4\), got -1"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4).block_byte_range(1, 2.0), r"block must be an int in \[0, 4\), got 2.0"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4, 1024).attn_block_byte_range(1, 9), r"block must be an int in \[0, 4\)"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4, 1024).attn_strides(0, 512.5), r"attn_strides.kv_row_bytes must be an "
+                                                                            r"int, got 512.5 \(float\)"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).pool_keys(np.zeros(8, np.uint32), 0),
+     r"cache must be uint32\[\d+\] \(this layout's flat buffer\), got uint32\[8\]"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).tail_ring(np.zeros(CacheLayout(IndexerConfig(), 1, 4).total_words,
+                                                                   np.int32), 0), r"cache must be uint32"),
 ]
 
 
@@ -315,6 +333,18 @@ BAD_LAYOUTS = [
 def test_layout_rejects(make, msg):
     with pytest.raises(ValueError, match=msg):
         make()
+
+
+def test_layout_takes_numpy_integers_as_ints():
+    """num_layers / num_blocks / attn_block_bytes read from numpy arrays are ints: the
+    layout equals (and hashes like, a static jit argument) the one built from ints, and
+    every numpy integer the helpers take (layer, block, fill byte) works too."""
+    a = CacheLayout(IndexerConfig(), num_layers=np.int64(2), num_blocks=np.int32(8), attn_block_bytes=np.uint16(64))
+    b = CacheLayout(IndexerConfig(), num_layers=2, num_blocks=8, attn_block_bytes=64)
+    assert a == b and hash(a) == hash(b) and type(a.num_blocks) is int
+    assert a.block_byte_range(np.int32(1), np.int64(7)) == b.block_byte_range(1, 7)
+    assert a.strides(np.int8(1)) == b.strides(1)
+    assert (np.asarray(a.allocate(np.uint8(0xA5))).view(np.uint8) == 0xA5).all()
 
 
 def test_allocate_fills_every_byte(rng):
