@@ -10,6 +10,12 @@ Byte layout (little-endian; ARCHITECTURE.md):
 The tail ring of block b aliases the start of indexer block b of the same layer.
 The buffer is a 1-D uint32 array (4 bytes per word, so element offsets stay small);
 ``jax.lax.bitcast_convert_type`` gives the byte view for free.
+
+Size limits (checked when a CacheLayout is made, before anything is built per layer):
+one layer's indexer region and one layer's attention region each stay below 8 GiB
+(2**31 - 1024 words: kernels add int32 layer-local word offsets to a static base), and
+the whole buffer below 8 TiB (its [rows, 1024] word view must have int32 row indices).
+``allocate`` also refuses a buffer larger than the memory of the device it goes to.
 """
 from __future__ import annotations
 
@@ -20,9 +26,15 @@ import numpy as np
 from pallas_kernels.core import addressing as addr
 from pallas_kernels.core.strides import AttnStrides, CacheStrides, VIEW_COLS, WORD_BYTES
 
-from .config import IndexerConfig, checked_int
+from .config import MAX_REGION_WORDS, IndexerConfig, checked_int
 
 FAULTS = ("dense-tail-stride",)
+MAX_VIEW_ROWS = 2**31 - 1                     # rows of the [rows, VIEW_COLS] word view: int32 indices
+MAX_TOTAL_BYTES = MAX_VIEW_ROWS * VIEW_COLS * WORD_BYTES   # just under 8 TiB
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +55,25 @@ class CacheLayout:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
         if self.attn_block_bytes < 0 or self.attn_block_bytes % WORD_BYTES:
             raise ValueError(f"attn_block_bytes must be a non-negative multiple of 4, got {self.attn_block_bytes}")
-        if self.index_region_bytes // WORD_BYTES >= 2**31 - VIEW_COLS:
+        if self.index_region_bytes // WORD_BYTES >= MAX_REGION_WORDS:
             raise ValueError(
                 f"one layer's indexer region ({self.index_region_bytes} B) must stay below 8 GiB; "
                 f"use fewer blocks per device")
-        # Build every layer's strides once so an impossible layout fails here.
-        for layer in range(self.num_layers):
+        if self.attn_region_bytes // WORD_BYTES >= MAX_REGION_WORDS:
+            raise ValueError(
+                f"one layer's attention region ({self.attn_region_bytes} B) must stay below 8 GiB; "
+                f"use fewer blocks per device or smaller attention blocks")
+        if self.total_bytes > MAX_TOTAL_BYTES:
+            raise ValueError(
+                f"the buffer of {self.num_layers} layers x {self.num_blocks} blocks x {self.bytes_per_block // self.num_layers} "
+                f"B would be {self.total_bytes:,} B ({_gib(self.total_bytes)}): more than the {_gib(MAX_TOTAL_BYTES)} "
+                f"its word view can address; use fewer layers or blocks")
+        # Every layer's strides pass CacheStrides' checks if the first and the last do (the
+        # layers differ only in their base), so an impossible layout fails here, at once.
+        for layer in sorted({0, self.num_layers - 1}):
             self.strides(layer)
+            if self.attn_block_bytes:
+                addr.attn_block_byte_range(self.attn_base_bytes(layer), self.attn_block_bytes, 0)
 
     # ---- sizes (bytes) -----------------------------------------------------------
     @property
@@ -148,6 +172,10 @@ class CacheLayout:
         fill_byte = checked_int("allocate", "fill_byte", fill_byte)
         if not 0 <= fill_byte <= 255:
             raise ValueError(f"fill_byte must be in [0, 255], got {fill_byte}")
+        limit, where = _device_memory_bytes(device)
+        if limit is not None and self.total_bytes > limit:
+            raise ValueError(f"allocate: the buffer is {self.total_bytes:,} B ({_gib(self.total_bytes)}), more than "
+                             f"the {limit:,} B ({_gib(limit)}) of {where}; use fewer layers or blocks")
         word = np.uint32(fill_byte * 0x01010101)
         buf = jnp.full((self.total_words,), word, dtype=jnp.uint32)
         return jax.device_put(buf, device) if device is not None else buf
@@ -230,3 +258,28 @@ class CacheLayout:
                 for k, v in self.summary().items()]
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v:>16}" for k, v in rows)
+
+
+def _device_memory_bytes(device=None):
+    """(bytes the buffer's device can hold, what it is) or (None, None) when unknown:
+    the device's bytes_limit where it reports one (GPUs), the host's physical memory for
+    the CPU backend. `device`: what allocate's device_put gets (None: the default device;
+    a sharding or anything without memory stats: unknown)."""
+    import jax
+    if device is None:
+        device = jax.devices()[0]
+    if not hasattr(device, "platform"):
+        return None, None
+    try:
+        stats = device.memory_stats()
+    except Exception:                       # backends without memory stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"device {device}"
+    if device.platform == "cpu":
+        try:
+            import os
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
+        except (ValueError, OSError, AttributeError):
+            return None, None
+    return None, None

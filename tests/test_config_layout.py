@@ -306,6 +306,11 @@ BAD_LAYOUTS = [
     (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=-4), "attn_block_bytes must be"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=8.0), "attn_block_bytes must be"),
     (lambda: CacheLayout(IndexerConfig(), 1, 2**31 // 38016 * 4 + 1000), "must stay below 8 GiB"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=2**32), r"one layer's attention region "
+                                                                        r"\(17179869184 B\) must stay below 8 GiB"),
+    (lambda: CacheLayout(IndexerConfig(), 10**8, 800), r"the buffer of 100000000 layers x 800 blocks x 38016 B would "
+                                                       r"be .* B \(.* GiB\): more than the 8,192.0 GiB its word view "
+                                                       r"can address"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(2), r"layer must be an int in \[0, 2\)"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(-1), r"layer must be an int in \[0, 2\)"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).index_base_bytes(1.0), "layer must be an int"),
@@ -345,6 +350,28 @@ def test_layout_takes_numpy_integers_as_ints():
     assert a.block_byte_range(np.int32(1), np.int64(7)) == b.block_byte_range(1, 7)
     assert a.strides(np.int8(1)) == b.strides(1)
     assert (np.asarray(a.allocate(np.uint8(0xA5))).view(np.uint8) == 0xA5).all()
+
+
+def test_layout_size_limits_are_checked_up_front():
+    """The size limits are checked before anything is built per layer, so a layout of
+    10**8 layers is refused (or made) at once; a layout past 2**32 words within the
+    limits is a layout (16+ GiB on a big device), and allocate refuses a buffer its device
+    cannot hold with the sizes in the message instead of trying."""
+    import time
+    from glm5_jax import layout as L
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="its word view can address"):
+        CacheLayout(IndexerConfig(), num_layers=10**8, num_blocks=800)
+    tiny = CacheLayout(IndexerConfig(block_size=64), num_layers=10**8, num_blocks=2)
+    assert tiny.index_base_bytes(10**8 - 1) == (10**8 - 1) * 2 * 2112 and tiny.strides(10**8 - 1).num_blocks == 2
+    assert time.perf_counter() - t0 < 2.0
+    assert L.MAX_TOTAL_BYTES == (2**31 - 1) * 4096
+    big = CacheLayout(IndexerConfig(), num_layers=120, num_blocks=4096)
+    assert big.total_words > 2**32 and big.strides(119).index_base_bytes > 2**34
+    huge = CacheLayout(IndexerConfig(), num_layers=50_000, num_blocks=4096)          # 7.1 TiB
+    with pytest.raises(ValueError, match=r"allocate: the buffer is 7,785,676,800,000 B \(7,251.0 GiB\), more than "
+                                         r"the .* B \(.* GiB\) of "):
+        huge.allocate()
 
 
 def test_allocate_fills_every_byte(rng):
