@@ -202,6 +202,34 @@ def _refuse_completions_without_tail(op, slot_mapping, tslot, positions, layout)
                          f"so such a token writes nothing")
 
 
+def _check_decode_owners(op, slot_mapping, tslot, positions, layout):
+    """Concrete inputs only: the one-owner rule of block ids (spec 3.5) within a call.
+    Requests run in parallel, one program each, so a tail block used by the live tokens
+    of two rows b would be written by both; and a pool record inside a tail block of the
+    call would overlap ring rows the launch reads (the "forward" program takes ring rows
+    as the launch found them). Both are refused: which bytes win is left to the GPU."""
+    if not _concrete(slot_mapping, tslot, positions):
+        return
+    s = layout.strides(0)
+    pos, loc, ts = (np.asarray(x).astype(np.int64) for x in (positions, slot_mapping, tslot))
+    rows = np.broadcast_to(np.arange(pos.shape[0])[:, None], pos.shape)
+    stash = addr.decode_stashes(s, pos, ts)
+    blk, row = addr.tail_block(s, ts)[stash], rows[stash]
+    pairs = np.unique(np.stack([blk, row], axis=1), axis=0)
+    shared = np.nonzero(np.diff(pairs[:, 0]) == 0)[0]
+    if shared.size:
+        b, r0, r1 = (int(v) for v in (pairs[shared[0], 0], pairs[shared[0], 1], pairs[shared[0] + 1, 1]))
+        raise ValueError(f"{op}: tail block {b} is used by rows {r0} and {r1}; a tail block belongs to one "
+                         f"request of the batch")
+    complete = addr.decode_completes(s, pos, loc, ts)
+    in_tail = complete & np.isin(loc // s.pools_per_block, blk)
+    if in_tail.any():
+        i = int(np.argmax(in_tail.ravel()))
+        raise ValueError(f"{op}: token {_at(pos.shape, i)} writes pool slot {int(loc.ravel()[i])} in block "
+                         f"{int(loc.ravel()[i]) // s.pools_per_block}, a tail block of this call; a block holds "
+                         f"pools or a tail ring, not both")
+
+
 def _check_seed_rows(op, tslot, request_ends_tokens, layout):
     """Concrete inputs only: the rows seed_tail writes are well defined, and
     request_ends_tokens (when given) agrees with the tail slots.
@@ -334,6 +362,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     _refuse_null_block(op, "slot_mapping", slot_mapping, layout, "pool", positions)
     _refuse_null_block(op, "tslot", tslot, layout, "tail", positions)
     _refuse_completions_without_tail(op, slot_mapping, tslot, positions, layout)
+    _check_decode_owners(op, slot_mapping, tslot, positions, layout)
     _check_pool_slots(op, slot_mapping, layout, flat_rows=False, positions=positions)
     s = _strides(layout, layer, fault)
     impl = _write_impl(op, implementation, interpret)

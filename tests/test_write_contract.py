@@ -349,3 +349,34 @@ def test_request_ends_that_disagree_are_refused(rng):
     with pytest.raises(ValueError, match=r"seed_tail: rows 12 and 14 both seed tail slot"):
         call(None, _i32(twice))
     assert (_bytes(cache) == 0x3C).all()
+
+
+# ---------------------------------------------------------------------------------
+# one owner per block within a decode call
+# ---------------------------------------------------------------------------------
+def test_decode_block_owners_are_refused(rng):
+    """On concrete input decode_update refuses a tail block used by two requests of the
+    batch (their programs run in parallel) and a pool slot inside a tail block of the
+    call (the pool record would overlap ring rows the launch reads)."""
+    cache = LAYOUT.allocate(0x77)
+    ape = jnp.zeros((R, 128), jnp.float32)
+    dk = _rows(rng, B, N)
+    pos = np.array([[0, 1, 2, 3]] * B)
+    dts = np.stack([(1 + b) * RING + pos[b] for b in range(B)])
+    dsl = np.full((B, N), -1)
+    dsl[:, 3] = 4 * PPB + np.arange(B)
+    ops.decode_update(cache, LAYOUT, LAYER, dk, dk, ape, _i32(dsl), _i32(dts), _i32(pos), implementation="xla")
+    shared = dts.copy()
+    shared[2, 1] = RING + 1                                    # row 2's token 1 stashes into row 0's block 1
+    with pytest.raises(ValueError, match=r"decode_update: tail block 1 is used by rows 0 and 2"):
+        ops.decode_update(cache, LAYOUT, LAYER, dk, dk, ape, _i32(dsl), _i32(shared), _i32(pos), implementation="xla")
+    in_tail = dsl.copy()
+    in_tail[1, 3] = 3 * PPB + 7                                # block 3: row 2's tail block
+    with pytest.raises(ValueError, match=rf"decode_update: token \[1, 3\] writes pool slot {3 * PPB + 7} in block 3, "
+                                         r"a tail block of this call"):
+        ops.decode_update(cache, LAYOUT, LAYER, dk, dk, ape, _i32(in_tail), _i32(dts), _i32(pos), implementation="xla")
+    # padding tokens own nothing
+    pad = pos.copy()
+    pad[2, 1] = -1
+    ops.decode_update(cache, LAYOUT, LAYER, dk, dk, ape, _i32(dsl), _i32(shared), _i32(pad), implementation="xla")
+    assert (_bytes(cache) == 0x77).all()
