@@ -4,11 +4,26 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pallas_kernels.core.strides import ROW_BYTES, TAIL_ROW_BYTES
+import numpy as np
+
+from pallas_kernels.core.strides import ROW_BYTES, TAIL_ROW_BYTES, VIEW_COLS, WORD_BYTES
+
+MAX_HEADS = 64                      # the logits kernels run 32 or 64 (zero-padded) heads
+# One layer's indexer region must stay below 2**31 - VIEW_COLS words (31-bit layer-local
+# offsets, addressing.split_word), and a layout holds at least 2 blocks.
+MAX_REGION_WORDS = 2**31 - VIEW_COLS
 
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def checked_int(owner: str, name: str, value) -> int:
+    """`value` as a Python int: an int or a numpy integer. A bool, a float (even a
+    whole one) or anything else is a ValueError naming `owner.name`, the value and its type."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +32,12 @@ class IndexerConfig:
 
     Defaults are GLM-5.3-Flash's: head_dim 128, 32 indexer heads, pools of 4
     tokens, top-2048 tokens, manager blocks of 1152 tokens, no speculative tokens.
-    An impossible combination raises ValueError naming the rule it breaks.
+    Every field is an int (numpy integers are taken as ints; bools and floats are
+    refused). An impossible combination raises ValueError naming the rule it breaks:
+    head_dim == 128; 1 <= n_heads <= 64; kpool >= 1; topk a positive multiple of kpool;
+    block_size a positive multiple of kpool (of kpool * 32 above 64 pools per block),
+    divisible by the ring, with two blocks' indexer pages below 8 GiB; num_spec_tokens
+    >= 0 with the tail ring inside one indexer block.
     """
 
     head_dim: int = 128
@@ -29,14 +49,13 @@ class IndexerConfig:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise ValueError(f"IndexerConfig.{f.name} must be an int, got {v!r}")
+            object.__setattr__(self, f.name, checked_int("IndexerConfig", f.name, getattr(self, f.name)))
         if self.head_dim != 128:
             raise ValueError(f"head_dim must be 128 (the Hadamard-128 rotation and the 132-byte "
                              f"cache row are fixed), got {self.head_dim}")
-        if self.n_heads < 1:
-            raise ValueError(f"n_heads must be >= 1, got {self.n_heads}")
+        if not 1 <= self.n_heads <= MAX_HEADS:
+            raise ValueError(f"n_heads must be in [1, {MAX_HEADS}] (the logits run 32 or 64 zero-padded "
+                             f"heads), got {self.n_heads}")
         if self.kpool < 1:
             raise ValueError(f"kpool must be >= 1, got {self.kpool}")
         if self.num_spec_tokens < 0:
@@ -45,6 +64,10 @@ class IndexerConfig:
             raise ValueError(f"topk ({self.topk}) must be a positive multiple of kpool ({self.kpool})")
         if self.block_size < 1 or self.block_size % self.kpool:
             raise ValueError(f"block_size ({self.block_size}) must be a multiple of kpool ({self.kpool})")
+        if 2 * self.index_block_bytes // WORD_BYTES >= MAX_REGION_WORDS:
+            raise ValueError(f"block_size ({self.block_size}) too large: an indexer block of "
+                             f"{self.index_block_bytes} B leaves no room for the 2 blocks a layout needs in "
+                             f"one layer's indexer region (below 8 GiB)")
         s = self.pools_per_block
         if s > 64 and s % 32:
             raise ValueError(

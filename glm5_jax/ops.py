@@ -165,16 +165,144 @@ def _check_pool_slots(op, slot_mapping, layout, flat_rows: bool, positions=None)
         raise ValueError(f"{op}: slot_mapping writes the same pool slot twice in one batch")
 
 
+def _at(shape, flat_index) -> str:
+    """'[i]' / '[b, j]': the index of the flat_index-th entry of an array of `shape`."""
+    return "[" + ", ".join(str(int(i)) for i in np.unravel_index(int(flat_index), shape)) + "]"
+
+
+def _refuse_null_block(op, name, slots, layout, unit: str, positions=None):
+    """Concrete inputs only: no slot in the null block 0. Block 0 is what padded page
+    tables point at, so it is never written: under jit ``addressing.pool_slot_valid`` /
+    ``tail_slot_valid`` ignore such slots like padding; a concrete one is a bug of the
+    caller's metadata (``glm5_jax.metadata`` never builds one). unit: "pool" or "tail".
+    Decode tokens with position < 0 are padding and never write, whatever their slots."""
+    if not _concrete(slots, positions):
+        return
+    a = np.asarray(slots)
+    per_block = layout.config.pools_per_block if unit == "pool" else layout.config.ring
+    bad = (a >= 0) & (a < per_block)
+    if positions is not None:
+        bad &= np.asarray(positions) >= 0
+    if bad.any():
+        i = int(np.argmax(bad.ravel()))
+        raise ValueError(f"{op}: {name}{_at(a.shape, i)} = {int(a.ravel()[i])} is a {unit} slot of the null "
+                         f"block 0 ({unit} slots 0 .. {per_block - 1}); block 0 is never written "
+                         f"(padding is -1)")
+
+
+def _refuse_completions_without_tail(op, slot_mapping, tslot, positions, layout):
+    """Concrete inputs only: a decode token that completes a pool has a valid tail slot.
+    The pool's earlier members are read from that tail block's ring, so a token with
+    an invalid one (-1, block 0, past the last block) writes nothing under jit
+    (``addressing.decode_completes``), not a pool pooled from another block's ring."""
+    if not _concrete(slot_mapping, tslot, positions):
+        return
+    s = layout.strides(0)                                    # every layer has the same slots
+    pos, loc, ts = (np.asarray(x) for x in (positions, slot_mapping, tslot))
+    orphan = ((pos >= 0) & (pos % s.kpool == s.kpool - 1) & addr.pool_slot_valid(s, loc)
+              & ~addr.tail_slot_valid(s, ts))
+    if orphan.any():
+        i = int(np.argmax(orphan.ravel()))
+        raise ValueError(f"{op}: token {_at(pos.shape, i)} completes pool slot {int(loc.ravel()[i])} but its "
+                         f"tail slot {int(ts.ravel()[i])} is invalid (valid: {s.ring} .. "
+                         f"{s.num_tail_slots - 1}); the pool's other members are in its own tail ring, "
+                         f"so such a token writes nothing")
+
+
+def _check_decode_owners(op, slot_mapping, tslot, positions, layout):
+    """Concrete inputs only: the one-owner rule of block ids (spec 3.5) within a call.
+    Requests run in parallel, one program each, so a tail block used by the live tokens
+    of two rows b would be written by both; and a pool record inside a tail block of the
+    call would overlap ring rows the launch reads (the "forward" program takes ring rows
+    as the launch found them). Both are refused: which bytes win is left to the GPU."""
+    if not _concrete(slot_mapping, tslot, positions):
+        return
+    s = layout.strides(0)
+    pos, loc, ts = (np.asarray(x).astype(np.int64) for x in (positions, slot_mapping, tslot))
+    rows = np.broadcast_to(np.arange(pos.shape[0])[:, None], pos.shape)
+    stash = addr.decode_stashes(s, pos, ts)
+    blk, row = addr.tail_block(s, ts)[stash], rows[stash]
+    pairs = np.unique(np.stack([blk, row], axis=1), axis=0)
+    shared = np.nonzero(np.diff(pairs[:, 0]) == 0)[0]
+    if shared.size:
+        b, r0, r1 = (int(v) for v in (pairs[shared[0], 0], pairs[shared[0], 1], pairs[shared[0] + 1, 1]))
+        raise ValueError(f"{op}: tail block {b} is used by rows {r0} and {r1}; a tail block belongs to one "
+                         f"request of the batch")
+    complete = addr.decode_completes(s, pos, loc, ts)
+    in_tail = complete & np.isin(loc // s.pools_per_block, blk)
+    if in_tail.any():
+        i = int(np.argmax(in_tail.ravel()))
+        raise ValueError(f"{op}: token {_at(pos.shape, i)} writes pool slot {int(loc.ravel()[i])} in block "
+                         f"{int(loc.ravel()[i]) // s.pools_per_block}, a tail block of this call; a block holds "
+                         f"pools or a tail ring, not both")
+
+
+def _check_seed_rows(op, tslot, request_ends_tokens, layout):
+    """Concrete inputs only: the rows seed_tail writes are well defined, and
+    request_ends_tokens (when given) agrees with the tail slots.
+
+    The seeded rows (``reference.seed_tail_strides``' rule: a valid tail slot, and the
+    row kpool ahead absent, padding or in another tail block) must not write one tail
+    slot twice: which row would win is left to the backend. An entry of
+    request_ends_tokens is 0 (padding) or one past a request's last row (a row with a
+    valid tail slot whose next row is absent, padding or in another tail block), and
+    every seeded row lies in the last kpool rows before an entry. Under jit a row is
+    seeded only inside those windows, in every implementation (``reference.end_windows``).
+    """
+    if not _concrete(tslot, request_ends_tokens):
+        return
+    s = layout.strides(0)                                    # every layer has the same tail slots
+    ts = np.asarray(tslot).astype(np.int64)
+    t, r = ts.size, s.kpool
+    valid = addr.tail_slot_valid(s, ts)
+    blk = addr.tail_block(s, ts)
+    ahead = np.concatenate([ts[r:], np.full(min(r, t), -1)])
+    seeded = valid & ((ahead < 0) | (addr.tail_block(s, ahead) != blk))
+    rows = np.nonzero(seeded)[0]
+    order = np.argsort(ts[rows], kind="stable")
+    same = np.nonzero(np.diff(ts[rows][order]) == 0)[0]
+    if same.size:
+        i, j = sorted(rows[order][same[0]:same[0] + 2])
+        raise ValueError(f"{op}: rows {i} and {j} both seed tail slot {int(ts[i])} (each is among its request's "
+                         f"last kpool = {r} rows); a ring row is written once per call")
+    if request_ends_tokens is None:
+        return
+    e = np.asarray(request_ends_tokens).astype(np.int64)
+    if (e < 0).any():
+        k = int(np.argmax(e < 0))
+        raise ValueError(f"{op}: request_ends_tokens[{k}] = {int(e[k])} is negative; entries are one past a "
+                         f"request's last row, or 0 for padding")
+    nxt_valid = np.concatenate([valid[1:], [False]])
+    nxt_blk = np.concatenate([blk[1:], [-1]])
+    last = valid & (~nxt_valid | (nxt_blk != blk))           # the last row of its request
+    for k, end in enumerate(e):
+        if end > 0 and not last[end - 1]:
+            why = ("has no valid tail slot" if not valid[end - 1] else
+                   f"is followed by row {end} of the same tail block {int(blk[end - 1])}")
+            raise ValueError(f"{op}: request_ends_tokens[{k}] = {int(end)} ends no request: row {int(end) - 1} {why}")
+    covered = np.zeros(t, bool)
+    for end in e[e > 0]:
+        covered[max(int(end) - r, 0):int(end)] = True
+    missing = seeded & ~covered
+    if missing.any():
+        i = int(np.argmax(missing))
+        raise ValueError(f"{op}: request_ends_tokens has no entry for the request of row {i} (tail block "
+                         f"{int(blk[i])}), which seed_tail writes; every request needs one past its last row")
+
+
 def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, request_ends_tokens=None,
               implementation=None, interpret=None):
     """Seed each request's tail ring with its last kpool tokens of the batch (docs/semantics.md 5.3).
 
     key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots (-1 = padding).
     request_ends_tokens: optional [N] int32, one past the last row of each request in the
-    batch (vLLM's query_start_loc[1:]; <= 0 marks a padding entry). It changes no
-    byte written; it lets the kernel visit only each request's last kpool rows, so
-    the cost no longer grows with the prompt length. Each request's rows must be
-    contiguous and end at its entry.
+    batch (vLLM's query_start_loc[1:]; 0 marks a padding entry). It lets the kernel
+    visit only each request's last kpool rows, so the cost no longer grows with the
+    prompt length; entries that agree with the tail slots change no byte written.
+    Each request's rows must be contiguous and end at its entry. Under jit every
+    implementation seeds only rows inside the windows [e - kpool, e) of the entries
+    e > 0; on concrete input disagreeing entries are refused (docs/design.md, "Input
+    contract of the ops").
     """
     op = "seed_tail"
     _check_cache(op, cache, layout)
@@ -188,6 +316,8 @@ def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, *, reque
             e = np.asarray(request_ends_tokens)
             if (e > t).any():
                 raise ValueError(f"{op}: request_ends_tokens must be <= the batch's {t} rows, got max {e.max()}")
+    _refuse_null_block(op, "tslot", tslot, layout, "tail")
+    _check_seed_rows(op, tslot, request_ends_tokens, layout)
     s = layout.strides(layer)
     impl = _write_impl(op, implementation, interpret)
     return DISPATCH[op, impl](cache, s, key, gate, tslot, request_ends_tokens, interpret=interpret)
@@ -207,6 +337,7 @@ def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slo
     _check(op, "gate", gate, (t, 128), _BF16)
     _check(op, "ape", ape, (r, 128), (jnp.float32,))
     _check(op, "slot_mapping", slot_mapping, (t,), _INT)
+    _refuse_null_block(op, "slot_mapping", slot_mapping, layout, "pool")
     _check_pool_slots(op, slot_mapping, layout, flat_rows=True)
     s = layout.strides(layer)
     impl = _write_impl(op, implementation, interpret)
@@ -231,6 +362,10 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
     _check(op, "ape", ape, (r, 128), (jnp.float32,))
     for name, x in (("slot_mapping", slot_mapping), ("tslot", tslot), ("positions", positions)):
         _check(op, name, x, (b, n), _INT)
+    _refuse_null_block(op, "slot_mapping", slot_mapping, layout, "pool", positions)
+    _refuse_null_block(op, "tslot", tslot, layout, "tail", positions)
+    _refuse_completions_without_tail(op, slot_mapping, tslot, positions, layout)
+    _check_decode_owners(op, slot_mapping, tslot, positions, layout)
     _check_pool_slots(op, slot_mapping, layout, flat_rows=False, positions=positions)
     s = layout.strides(layer)
     impl = _write_impl(op, implementation, interpret)
@@ -617,7 +752,8 @@ _triton_topk = _triton_kernel("topk_rows", "topk_pools")
 # =================================================================================
 DISPATCH = {
     ("seed_tail", "xla"):
-        lambda cache, s, key, gate, tslot, ends, *, interpret: ref.seed_tail_strides(cache, s, key, gate, tslot),
+        lambda cache, s, key, gate, tslot, ends, *, interpret: ref.seed_tail_strides(cache, s, key, gate, tslot,
+                                                                                     ends),
     ("seed_tail", "pallas"):
         lambda cache, s, key, gate, tslot, ends, *, interpret: _tail_seed.seed_tail(
             cache, s, key, gate, tslot, ends, interpret=interpret),

@@ -53,12 +53,17 @@ _compress_pool = jax.jit(nm.compress_pool)
 # ---------------------------------------------------------------------------------
 # tail seed (docs/semantics.md 5.3)
 # ---------------------------------------------------------------------------------
-def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot):
-    """key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots.
+def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot, request_ends_tokens=None):
+    """key, gate: [T, 128] bf16; tslot: [T] int32 token-granular tail slots;
+    request_ends_tokens: optional [N] int32, one past each request's last row.
 
     Token i is seeded iff its tslot is valid and it is among its request's last R
     tokens of the batch: looking R rows ahead finds the end of the batch, padding,
-    or another tail block (= another request).
+    or another tail block (= another request). With request_ends_tokens, also only
+    if it lies in the window [e - R, e) of an entry e > 0 (``end_windows``): the rows
+    the kernels visit. For entries that agree with the tail slots (what ``ops``
+    checks on concrete input) every seeded row lies in a window, so the bytes are
+    those without them.
     """
     t = key.shape[0]
     r = s.kpool
@@ -67,6 +72,8 @@ def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot):
     valid = addr.tail_slot_valid(s, tslot)
     last_r = (ahead < 0) | (addr.tail_block(s, ahead) != addr.tail_block(s, tslot))
     seeded = valid & last_r                                              # [T]
+    if request_ends_tokens is not None:
+        seeded = seeded & end_windows(t, r, request_ends_tokens)
     blk = addr.tail_block(s, tslot)
     ring_slot = tslot % s.ring
     view = _view(cache, s)
@@ -76,6 +83,16 @@ def seed_tail_strides(cache, s: CacheStrides, key, gate, tslot):
         view = _scatter_words(view, s, local, nm.pack_bf16_words(rows.astype(jnp.bfloat16)),
                               seeded[:, None])
     return view.reshape(-1)
+
+
+def end_windows(t: int, r: int, request_ends_tokens):
+    """[T] bool: row i lies in [e - r, e) for some entry e > 0 of request_ends_tokens
+    (entries <= 0 are padding; rows past the batch do not exist). The rows the seed
+    kernels visit in their request-ends mode."""
+    e = request_ends_tokens.astype(jnp.int32)                           # [N]
+    rows = e[:, None] - r + jnp.arange(r, dtype=jnp.int32)[None, :]     # [N, r]
+    ok = (e[:, None] > 0) & (rows >= 0) & (rows < t)
+    return jnp.zeros((t,), bool).at[jnp.where(ok, rows, t).reshape(-1)].set(True, mode="drop")
 
 
 # ---------------------------------------------------------------------------------
@@ -118,9 +135,9 @@ def decode_update_strides(cache, s: CacheStrides, key, gate, ape, slot_mapping, 
     """key, gate: [B, n, 128] bf16; ape [R, 128] f32; slot_mapping, tslot, positions: [B, n] int32.
 
     Per request, tokens are taken in index (= position) order. For each token:
-    1. if it completes a pool (pos % R == R-1, valid slot): read the pool's first
-       R-1 members from the ring (before this token's stash), pool with the
-       current token, write the record;
+    1. if it completes a pool (pos % R == R-1, valid pool slot and valid tail slot:
+       ``addressing.decode_completes``): read the pool's first R-1 members from the
+       ring (before this token's stash), pool with the current token, write the record;
     2. then, if pos >= 0 and its tail slot is valid, stash K and gate in ring slot
        pos % ring (gated on the token-granular tail slot, bug B3).
     Requests are independent (distinct tail blocks), so each token step is
@@ -145,9 +162,8 @@ def _decode_token(view, s: CacheStrides, key, gate, ape, loc, ts, pos):
     ts = ts.astype(jnp.int32)
     loc = loc.astype(jnp.int32)
     blk = addr.tail_block(s, ts)                                           # [B] (this token's own)
-    live = pos >= 0
     pos_c = jnp.maximum(pos, 0)
-    complete = live & (pos_c % r == r - 1) & addr.pool_slot_valid(s, loc)
+    complete = addr.decode_completes(s, pos, loc, ts)
     keys, gates = [], []
     for j in range(r - 1):
         rs = (jnp.maximum(pos_c - (r - 1), 0) + j) % s.ring
@@ -159,7 +175,7 @@ def _decode_token(view, s: CacheStrides, key, gate, ape, loc, ts, pos):
     gates.append(gate.astype(jnp.bfloat16))
     q8, scale = nm.compress_pool(keys, gates, [ape[j] for j in range(r)])
     view = _write_pools(view, s, jnp.where(complete, loc, 0), q8, scale, complete)
-    stash = live & addr.tail_slot_valid(s, ts)
+    stash = addr.decode_stashes(s, pos, ts)
     rs_now = pos_c % s.ring
     for half, rows in ((0, key), (1, gate)):
         local = addr.tail_row_words(s, blk, rs_now, half)[:, None] + w64
@@ -179,8 +195,8 @@ def fwht_quant(q):
 # ---------------------------------------------------------------------------------
 # public signatures: layout + layer instead of strides
 # ---------------------------------------------------------------------------------
-def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot):
-    return seed_tail_strides(cache, layout.strides(layer), key, gate, tslot)
+def seed_tail(cache, layout: CacheLayout, layer: int, key, gate, tslot, request_ends_tokens=None):
+    return seed_tail_strides(cache, layout.strides(layer), key, gate, tslot, request_ends_tokens)
 
 
 def compress_prefill(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_mapping):
@@ -199,7 +215,7 @@ def decode_update(cache, layout: CacheLayout, layer: int, key, gate, ape, slot_m
 import numpy as _np
 from jax import lax as _lax
 
-MAX_HEADS = 64
+from .config import MAX_HEADS  # noqa: E402  (the head limit lives with the config that checks it)
 _INT32_MIN = -(2**31)
 
 

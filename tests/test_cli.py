@@ -96,6 +96,8 @@ BAD = [
     (["layout", "--num-blocks", "1"], "num_blocks must be >= 2"),
     (["layout", "--layers", "0"], "num_layers must be >= 1"),
     (["layout", "--attn-block-bytes", "6"], "attn_block_bytes"),
+    (["layout", "--layers", "100000000"], "more than the 8,192.0 GiB its word view can address"),
+    (["layout", "--num-blocks", "300000"], "one layer's indexer region (11404800000 B) must stay below 8 GiB"),
     (["layout", "--num-blocks", "-3"], "must be >= 0"),                 # argparse type check
     (["layout", "--num-blocks", "many"], "expected an integer"),
     (["layout", "--bogus"], "unrecognized arguments"),
@@ -120,6 +122,19 @@ def test_bad_input_is_one_clear_line(capsys, argv, fragment):
     # library errors print exactly one line (argparse errors add its usage line(s) above)
     if not err[0].startswith("usage:"):
         assert len(err) == 1, cap.err
+
+
+def test_layout_of_a_huge_cache_answers_at_once():
+    """The planner checks the size limits before anything per layer: 10**8 layers are
+    refused, or planned, in well under a second (the per-layer strides took minutes)."""
+    import time
+    t0 = time.perf_counter()
+    r = _run_module("layout", "--layers", "100000000", timeout=60)
+    assert r.returncode == 2 and "its word view can address" in r.stderr, r.stderr
+    r = _run_module("layout", "--layers", "100000000", "--num-blocks", "2", "--block-size", "64", "--json",
+                    timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["num_layers"] == 10**8, r.stderr
+    assert time.perf_counter() - t0 < 30
 
 
 def test_bad_input_in_a_subprocess_has_no_traceback():

@@ -122,7 +122,9 @@ def test_next_pow2():
 BAD_CONFIGS = [
     (dict(head_dim=64), r"head_dim must be 128"),
     (dict(head_dim=256), r"head_dim must be 128"),
-    (dict(n_heads=0), r"n_heads must be >= 1"),
+    (dict(n_heads=0), r"n_heads must be in \[1, 64\]"),
+    (dict(n_heads=65), r"n_heads must be in \[1, 64\] \(the logits run 32 or 64 zero-padded heads\), got 65"),
+    (dict(n_heads=-3), r"n_heads must be in \[1, 64\]"),
     (dict(kpool=0), r"kpool must be >= 1"),
     (dict(num_spec_tokens=-1), r"num_spec_tokens must be >= 0"),
     (dict(topk=2046), r"topk \(2046\) must be a positive multiple of kpool"),
@@ -138,10 +140,15 @@ BAD_CONFIGS = [
     (dict(block_size=128, num_spec_tokens=5), r"tail ring larger than an indexer block"),
     # ring 8 (n_spec 1) fits in S = 33 rows (4356 B) but does not divide 132 tokens
     (dict(block_size=132, num_spec_tokens=1), r"ring \(8\) must divide block_size \(132\)"),
-    (dict(block_size=1152.0), r"IndexerConfig.block_size must be an int"),
-    (dict(kpool=True), r"IndexerConfig.kpool must be an int"),
-    (dict(num_spec_tokens="1"), r"IndexerConfig.num_spec_tokens must be an int"),
-    (dict(n_heads=np.float32(32)), r"IndexerConfig.n_heads must be an int"),
+    (dict(block_size=2**27), r"block_size \(134217728\) too large: an indexer block of 4429185024 B leaves no "
+                             r"room for the 2 blocks"),
+    (dict(block_size=1152.0), r"IndexerConfig.block_size must be an int, got 1152.0 \(float\)"),
+    (dict(kpool=True), r"IndexerConfig.kpool must be an int, got True \(bool\)"),
+    (dict(kpool=np.bool_(True)), r"IndexerConfig.kpool must be an int, got np.True_ \(bool\)"),
+    (dict(num_spec_tokens="1"), r"IndexerConfig.num_spec_tokens must be an int, got '1' \(str\)"),
+    (dict(n_heads=np.float32(32)), r"IndexerConfig.n_heads must be an int, got .*32.* \(float32\)"),
+    (dict(topk=None), r"IndexerConfig.topk must be an int, got None \(NoneType\)"),
+    (dict(head_dim=128.0), r"IndexerConfig.head_dim must be an int"),
 ]
 
 
@@ -149,6 +156,17 @@ BAD_CONFIGS = [
 def test_config_rejects(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         IndexerConfig(**kwargs)
+
+
+def test_config_takes_numpy_integers_as_ints():
+    """A numpy integer is an int (the value a caller read from an array); the fields
+    hold Python ints, so the config equals and hashes like one built from ints."""
+    c = IndexerConfig(n_heads=np.int32(16), kpool=np.int64(4), block_size=np.uint16(1152), topk=np.int16(2048),
+                      num_spec_tokens=np.int8(1), head_dim=np.int64(128))
+    assert c == IndexerConfig(n_heads=16, num_spec_tokens=1) and hash(c) == hash(IndexerConfig(n_heads=16,
+                                                                                             num_spec_tokens=1))
+    assert all(type(getattr(c, f.name)) is int for f in dataclasses.fields(c))
+    assert IndexerConfig(n_heads=64).n_heads == 64 and IndexerConfig(n_heads=1).n_heads == 1
 
 
 def test_config_accepts_edge_cases():
@@ -277,20 +295,43 @@ def test_layout_strides_1152_and_dense_fault():
 BAD_LAYOUTS = [
     (lambda: CacheLayout("cfg", 1, 4), "config must be an IndexerConfig"),
     (lambda: CacheLayout(IndexerConfig(), 0, 4), "num_layers must be >= 1"),
-    (lambda: CacheLayout(IndexerConfig(), 1.0, 4), "num_layers must be >= 1"),
+    (lambda: CacheLayout(IndexerConfig(), 1.0, 4), r"CacheLayout.num_layers must be an int, got 1.0 \(float\)"),
+    (lambda: CacheLayout(IndexerConfig(), True, 4), r"CacheLayout.num_layers must be an int, got True \(bool\)"),
     (lambda: CacheLayout(IndexerConfig(), 1, 1), r"num_blocks must be >= 2 \(block 0 is the null block\)"),
-    (lambda: CacheLayout(IndexerConfig(), 1, 4.0), "num_blocks must be >= 2"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4.0), r"CacheLayout.num_blocks must be an int, got 4.0 \(float\)"),
+    (lambda: CacheLayout(IndexerConfig(), 1, np.int32(1)), r"num_blocks must be >= 2 \(block 0 is the null block\), "
+                                                          r"got 1$"),
+    (lambda: CacheLayout(IndexerConfig(), 1, np.float64(8)), r"CacheLayout.num_blocks must be an int, got "
+                                                            r"np.float64\(8.0\) \(float64\)"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=6), "attn_block_bytes must be a non-negative multiple of 4"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=-4), "attn_block_bytes must be"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=8.0), "attn_block_bytes must be"),
     (lambda: CacheLayout(IndexerConfig(), 1, 2**31 // 38016 * 4 + 1000), "must stay below 8 GiB"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4, attn_block_bytes=2**32), r"one layer's attention region "
+                                                                        r"\(17179869184 B\) must stay below 8 GiB"),
+    (lambda: CacheLayout(IndexerConfig(), 10**8, 800), r"the buffer of 100000000 layers x 800 blocks x 38016 B would "
+                                                       r"be .* B \(.* GiB\): more than the 8,192.0 GiB its word view "
+                                                       r"can address"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(2), r"layer must be an int in \[0, 2\)"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(-1), r"layer must be an int in \[0, 2\)"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).index_base_bytes(1.0), "layer must be an int"),
     (lambda: CacheLayout(IndexerConfig(), 2, 4).attn_base_bytes(5), "layer must be an int"),
     (lambda: with_fault(CacheLayout(IndexerConfig(), 2, 4), "dense"), "unknown fault 'dense'"),
-    (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(256), r"fill_byte must be in \[0, 255\]"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(256), r"fill_byte must be in \[0, 255\], got 256"),
     (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(-1), r"fill_byte must be in \[0, 255\]"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(1.5), r"allocate.fill_byte must be an int, got 1.5 \(float\)"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).allocate(True), r"allocate.fill_byte must be an int, got True \(bool\)"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4).strides(True), r"layer must be an int in \[0, 2\), got True"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4).block_byte_range(0, 4), r"block must be an int in \[0, 4\), got 4"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4).block_byte_range(1, -1), r"block must be an int in \[0, 4\), got -1"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4).block_byte_range(1, 2.0), r"block must be an int in \[0, 4\), got 2.0"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4, 1024).attn_block_byte_range(1, 9), r"block must be an int in \[0, 4\)"),
+    (lambda: CacheLayout(IndexerConfig(), 2, 4, 1024).attn_strides(0, 512.5), r"attn_strides.kv_row_bytes must be an "
+                                                                            r"int, got 512.5 \(float\)"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).pool_keys(np.zeros(8, np.uint32), 0),
+     r"cache must be uint32\[\d+\] \(this layout's flat buffer\), got uint32\[8\]"),
+    (lambda: CacheLayout(IndexerConfig(), 1, 4).tail_ring(np.zeros(CacheLayout(IndexerConfig(), 1, 4).total_words,
+                                                                   np.int32), 0), r"cache must be uint32"),
 ]
 
 
@@ -298,6 +339,40 @@ BAD_LAYOUTS = [
 def test_layout_rejects(make, msg):
     with pytest.raises(ValueError, match=msg):
         make()
+
+
+def test_layout_takes_numpy_integers_as_ints():
+    """num_layers / num_blocks / attn_block_bytes read from numpy arrays are ints: the
+    layout equals (and hashes like, a static jit argument) the one built from ints, and
+    every numpy integer the helpers take (layer, block, fill byte) works too."""
+    a = CacheLayout(IndexerConfig(), num_layers=np.int64(2), num_blocks=np.int32(8), attn_block_bytes=np.uint16(64))
+    b = CacheLayout(IndexerConfig(), num_layers=2, num_blocks=8, attn_block_bytes=64)
+    assert a == b and hash(a) == hash(b) and type(a.num_blocks) is int
+    assert a.block_byte_range(np.int32(1), np.int64(7)) == b.block_byte_range(1, 7)
+    assert a.strides(np.int8(1)) == b.strides(1)
+    assert (np.asarray(a.allocate(np.uint8(0xA5))).view(np.uint8) == 0xA5).all()
+
+
+def test_layout_size_limits_are_checked_up_front():
+    """The size limits are checked before anything is built per layer, so a layout of
+    10**8 layers is refused (or made) at once; a layout past 2**32 words within the
+    limits is a layout (16+ GiB on a big device), and allocate refuses a buffer its device
+    cannot hold with the sizes in the message instead of trying."""
+    import time
+    from glm5_jax import layout as L
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="its word view can address"):
+        CacheLayout(IndexerConfig(), num_layers=10**8, num_blocks=800)
+    tiny = CacheLayout(IndexerConfig(block_size=64), num_layers=10**8, num_blocks=2)
+    assert tiny.index_base_bytes(10**8 - 1) == (10**8 - 1) * 2 * 2112 and tiny.strides(10**8 - 1).num_blocks == 2
+    assert time.perf_counter() - t0 < 2.0
+    assert L.MAX_TOTAL_BYTES == (2**31 - 1) * 4096
+    big = CacheLayout(IndexerConfig(), num_layers=120, num_blocks=4096)
+    assert big.total_words > 2**32 and big.strides(119).index_base_bytes > 2**34
+    huge = CacheLayout(IndexerConfig(), num_layers=50_000, num_blocks=4096)          # 7.1 TiB
+    with pytest.raises(ValueError, match=r"allocate: the buffer is 7,785,676,800,000 B \(7,251.0 GiB\), more than "
+                                         r"the .* B \(.* GiB\) of "):
+        huge.allocate()
 
 
 def test_allocate_fills_every_byte(rng):
@@ -377,10 +452,11 @@ def test_views_round_trip_reference_writes(rng):
     key = random_rows(rng, R * n_pools)
     gate = random_rows(rng, R * n_pools)
     ape = random_ape(rng, R)
-    # the tail block aliases its indexer block, so pools go to the other blocks (docs/semantics.md 3.5)
+    # the tail block aliases its indexer block, so pools go to the other blocks (docs/semantics.md 3.5),
+    # except the null block 0, which no writer touches
     blk = int(rng.integers(1, lay.num_blocks))
     pool_slots = np.arange(lay.num_blocks * cfg.pools_per_block)
-    pool_slots = pool_slots[pool_slots // cfg.pools_per_block != blk]
+    pool_slots = pool_slots[(pool_slots // cfg.pools_per_block != blk) & (pool_slots >= cfg.pools_per_block)]
     locs = rng.choice(pool_slots, size=n_pools, replace=False).astype(np.int32)
     slot = np.full(R * n_pools, -1, np.int32)
     slot[R - 1::R] = locs

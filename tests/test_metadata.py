@@ -220,3 +220,39 @@ def test_pool_on_null_block_page_is_an_error():
         md.compressed_slot_mapping(pos, np.array([0]), pages, cfg)
     ok = md.compressed_slot_mapping(np.array([cfg.kpool - 1]), np.array([0]), pages, cfg)
     assert ok[0] == 5 * cfg.pools_per_block
+
+
+def test_builders_refuse_silent_coercions():
+    """Float or bool arrays (np.asarray(x, int64) would truncate them, or turn them into 0 / 1),
+    request ids without a table row, mismatched shapes and values past int32 are refused
+    with the builder's name; integer arrays of any width and lists of ints are taken."""
+    cfg = IndexerConfig()
+    pages = md.page_table_pages([[3, 4]], cfg)
+    np.testing.assert_array_equal(pages, md.page_table_pages(np.array([[3, 4]], np.uint16), cfg))
+    bad = [
+        (lambda: md.page_table_pages(np.array([[3.0, 4.0]]), cfg), r"page_table_pages: block table must hold integers, "
+                                                                    r"got dtype float64"),
+        (lambda: md.page_table_pages([[True, False]], cfg), r"block table must hold integers, got dtype bool"),
+        (lambda: md.page_table_pages([[2**31 // 9 + 1]], cfg), r"page_table_pages: page ids do not fit in int32"),
+        (lambda: md.page_table_pages([[3]], "cfg"), r"page_table_pages: config must be an IndexerConfig, got str"),
+        (lambda: md.token_positions([8.5], [4]), r"token_positions: seq_lens must hold integers, got dtype float64"),
+        (lambda: md.token_request_index([4], num_tokens_padded=8.0), r"metadata.num_tokens_padded must be an int, got 8.0"),
+        (lambda: md.compressed_slot_mapping(np.array([3.0]), np.array([0]), pages, cfg),
+         r"compressed_slot_mapping: positions must hold integers, got dtype float64"),
+        (lambda: md.compressed_slot_mapping(np.array([3]), np.array([1]), pages, cfg),
+         r"compressed_slot_mapping: request index 1 has no row in the page table \(1 rows\)"),
+        (lambda: md.compressed_slot_mapping(np.array([3, 7]), np.array([0]), pages, cfg),
+         r"compressed_slot_mapping: positions \(2,\) and request_index \(1,\) must have the same shape"),
+        (lambda: md.tail_slot_mapping(np.array([3]), np.array([2]), np.array([5, 6]), cfg),
+         r"tail_slot_mapping: request index 2 has no row in the tail blocks \(2 rows\)"),
+        (lambda: md.tail_slot_mapping(np.array([3]), np.array([0]), np.array([5.0]), cfg),
+         r"tail_slot_mapping: tail_blocks must hold integers"),
+        (lambda: md.tail_slot_mapping(np.array([3]), np.array([0]), np.array([2**30]), cfg),
+         r"tail_slot_mapping: tail slots do not fit in int32"),
+        (lambda: md.context_pools([7.9], cfg), r"context_pools: seq_lens must hold integers"),
+    ]
+    for call, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    assert md.context_pools(np.array([7, 9], np.int16), cfg).tolist() == [1, 2]
+    assert md.token_positions([], []).size == 0 and md.token_request_index([], np.int64(3)).tolist() == [-1] * 3

@@ -238,6 +238,107 @@ def test_fwht_quant_rows_no_nan_for_extreme_inputs(rng):
     assert np.all(np.asarray(q8)[0] == 0)
 
 
+def _non_finite_query_rows():
+    """[n, 128] bf16 rows that the non-finite rule maps to zero codes and scale 2**-22:
+    NaN (several bit patterns, one value or all), +-inf, and finite rows whose rotation
+    overflows f32 (+-1e37 everywhere). (A rotation that is finite in f32 is at most
+    2**128 / sqrt(128) and never rounds to a bf16 infinity.)"""
+    bf = ml_dtypes.bfloat16
+    rows = []
+    for pattern in (0x7FC0, 0x7FFF, 0xFFC0, 0xFFFF, 0x7F81, 0xFF81):
+        r = np.zeros(128, np.uint16)
+        r[int(pattern) % 128] = pattern
+        rows.append(r.view(bf))
+    rows.append(np.full(128, np.uint16(0x7FFF)).view(bf))                  # all NaN
+    for v in (np.inf, -np.inf):
+        r = np.zeros(128, bf)
+        r[5] = v
+        rows.append(r)
+    rows.append(np.full(128, 1e37, bf))                                     # 128 * 1e37 overflows
+    rows.append(np.full(128, -1e37, bf))
+    return np.stack(rows)
+
+
+def test_non_finite_rows_are_zero_codes_with_the_floor_scale(rng):
+    """The non-finite rule (numerics.rotate_quant): a query row holding +-inf or NaN,
+    or whose rotation overflows, is all-zero fp8 codes
+    with scale 2**-22, the bytes of an all-zero row, in the XLA form and in the Pallas
+    kernel alike, whatever rows are beside it. On main a NaN row got scale -0.0 from
+    XLA and 2.4e-7 from the kernel, with NaN codes (0x7F)."""
+    from glm5_jax import ops
+    bad = _non_finite_query_rows()
+    q = np.asarray(random_rows_bf16(rng, 37))
+    where = rng.permutation(q.shape[0])[:bad.shape[0]]
+    q[where] = bad
+    zero_q8, zero_s = jax.jit(nm.fwht_quant_rows)(jnp.zeros((1, 128), jnp.bfloat16))
+    assert np.all(np.asarray(zero_q8).view(np.uint8) == 0) and _bits(zero_s)[0] == 0x34800000   # 2**-22
+    got = {}
+    for impl in ("xla", "pallas"):
+        q8, s = ops.fwht_quant(jnp.asarray(q), implementation=impl)
+        got[impl] = np.asarray(q8).view(np.uint8), _bits(s)
+        alone = [ops.fwht_quant(jnp.asarray(q[i:i + 1]), implementation=impl) for i in where[:3]]
+        for i, (a8, a) in zip(where[:3], alone):                # the same bytes alone as in the batch
+            np.testing.assert_array_equal(np.asarray(a8).view(np.uint8)[0], got[impl][0][i])
+            assert _bits(a)[0] == got[impl][1][i]
+    np.testing.assert_array_equal(got["xla"][0], got["pallas"][0])
+    np.testing.assert_array_equal(got["xla"][1], got["pallas"][1])
+    codes, scale = got["xla"]
+    assert np.all(codes[where] == 0) and np.all(scale[where] == 0x34800000)
+    finite = np.setdiff1d(np.arange(q.shape[0]), where)
+    want8, want = jax.jit(nm.quant_fp8)(jax.jit(lambda x: nm.round_bf16(nm.hadamard128(x) * nm.INV_SQRT_128))(
+        jnp.asarray(q[finite]).astype(jnp.float32)))            # the finite rows keep quant_fp8's bytes
+    np.testing.assert_array_equal(codes[finite], np.asarray(want8).view(np.uint8))
+    np.testing.assert_array_equal(scale[finite], _bits(want))
+
+
+def random_rows_bf16(rng, n):
+    mag = np.exp(rng.uniform(np.log(1e-3), np.log(300.0), size=(n, 1)))
+    return (rng.standard_normal((n, 128)) * mag).astype(ml_dtypes.bfloat16)
+
+
+def test_pool_non_finite_rule_reads_exponent_bits_only(rng):
+    """compress_pool's non-finite rule on single pools: any NaN / +-inf key or score
+    (gate + ape), or keys whose pooled rotation overflows, gives zero codes and scale
+    2**-22; scores that are finite but huge (+-3e38: the softmax differences overflow to
+    -inf, which the exp's clamp takes) give a finite pool, the same bytes with the
+    knockout weights of the decode update."""
+    keys = [jnp.asarray(random_rows_bf16(rng, 1)) for _ in range(4)]
+    gates = [jnp.asarray(random_rows_bf16(rng, 1)) for _ in range(4)]
+    ape = [jnp.asarray(rng.standard_normal(128), jnp.float32) for _ in range(4)]
+    pool = jax.jit(nm.compress_pool)
+    knock = jax.jit(lambda k, g, a: nm.compress_pool(k, g, a, weights=nm.softmax_weights_knockout))
+
+    def run(k, g, a=ape):
+        q8, s = pool(k, g, a)
+        q8k, sk = knock(k, g, a)
+        np.testing.assert_array_equal(np.asarray(q8).view(np.uint8), np.asarray(q8k).view(np.uint8))
+        assert _bits(s)[0] == _bits(sk)[0]
+        return np.asarray(q8).view(np.uint8)[0], _bits(s)[0]
+
+    def put(rows, j, d, v):
+        out = list(rows)
+        r = np.asarray(out[j]).copy()
+        r[0, d] = v
+        out[j] = jnp.asarray(r)
+        return out
+
+    for v in (np.nan, np.inf, -np.inf):
+        for name in ("key", "gate"):
+            j, d = int(rng.integers(0, 4)), int(rng.integers(0, 128))
+            k, g = (put(keys, j, d, v), gates) if name == "key" else (keys, put(gates, j, d, v))
+            codes, scale = run(k, g)
+            assert np.all(codes == 0) and scale == 0x34800000, (name, v)
+    big = [jnp.full((1, 128), 1e37, jnp.bfloat16)] * 4                     # the rotation overflows
+    codes, scale = run(big, gates)
+    assert np.all(codes == 0) and scale == 0x34800000
+    nan_ape = [a.at[7].set(np.nan) for a in ape]
+    codes, scale = run(keys, gates, nan_ape)
+    assert np.all(codes == 0) and scale == 0x34800000
+    huge = [jnp.asarray(np.where(rng.random((1, 128)) < 0.5, -3e38, 3e38), jnp.bfloat16) for _ in range(4)]
+    codes, scale = run(keys, huge, [jnp.zeros(128, jnp.float32)] * 4)
+    assert np.isfinite(np.uint32(scale).view(np.float32)) and scale != 0x34800000 and np.any(codes != 0)
+
+
 # ---------------------------------------------------------------------------------
 # bit-level conversions vs ml_dtypes
 # ---------------------------------------------------------------------------------

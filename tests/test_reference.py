@@ -401,16 +401,18 @@ def test_padding_and_out_of_range_write_nothing(rng):
         diff = np.nonzero(refjit.as_bytes(cache) != SENTINEL)[0]
         assert diff.size == 0, f"{what}: {diff.size} bytes written, first at byte {diff[0]}"
 
-    bad_tslots = [-1, -2, -ring, n_tail, n_tail + 3, n_tail + ring + 1, 2**31 - 1, -2**31]
-    bad_slots = [-1, -7, n_pool, n_pool + 1, n_pool + c.pools_per_block, 2**31 - 1, -2**31]
-    # seed: negative tail slots and tail block ids >= num_blocks
+    # the null block 0's slots (0 .. ring - 1, 0 .. pools_per_block - 1) are as invalid as padding
+    bad_tslots = [-1, -2, -ring, 0, ring - 1, n_tail, n_tail + 3, n_tail + ring + 1, 2**31 - 1, -2**31]
+    bad_slots = [-1, -7, 0, c.pools_per_block - 1, n_pool, n_pool + 1, n_pool + c.pools_per_block,
+                 2**31 - 1, -2**31]
+    # seed: negative tail slots, block 0 and tail block ids >= num_blocks
     ts = np.array(rng.choice(bad_tslots, PREFILL_T), np.int32)
     unchanged(refjit.seed(clean, layout, 0, key, gate, ts), f"seed tslot={ts}")
-    # compress: padding (-1) and pool slots past the last block (never wrap to block 0)
+    # compress: padding (-1), block 0 and pool slots past the last block (never wrap to block 0)
     sm = np.array(rng.choice(bad_slots, PREFILL_T), np.int32)
     unchanged(refjit.compress(clean, layout, 0, key, gate, ape, sm), f"compress slots={sm}")
     # a valid completion next to invalid ones: exactly its 132 record bytes change
-    loc = int(rng.integers(0, n_pool))
+    loc = int(rng.integers(c.pools_per_block, n_pool))
     sm = np.array([-1, -1, -1, loc, -1, -1, -1, n_pool + loc % 5], np.int32)
     got = refjit.as_bytes(refjit.compress(clean, layout, 0, key, gate, ape, sm))
     mask = _pool_byte_mask(layout, 0, [loc])
@@ -429,6 +431,15 @@ def test_padding_and_out_of_range_write_nothing(rng):
                             np.array([[-1, n_pool, -1, n_pool + 3]], np.int32),
                             np.array([[-1, n_tail, n_tail + 2, -5]], np.int32), pos),
               "decode invalid tslot/slot")
+    # valid pool slots (block 2) with tail slots in block 0, padding or past the last block:
+    # no stash, and no pool either (its other members would come from block 0's ring)
+    unchanged(refjit.decode(clean, layout, 0, kd, gd, ape,
+                            2 * c.pools_per_block + np.array([[1, 2, 3, 4]], np.int32),
+                            np.array([[3, -1, n_tail + 2, 7]], np.int32), pos),
+              "decode completions without a tail slot")
+    # ... and slots in block 0 (pool and tail) write nothing
+    unchanged(refjit.decode(clean, layout, 0, kd, gd, ape, np.array([[0, 5, 6, 7]], np.int32),
+                            np.array([[3, 7, 2, 3]], np.int32), pos), "decode block 0")
 
 
 # =================================================================================
@@ -439,10 +450,10 @@ def _small_inputs(rng, layout):
     bf = lambda *s: jnp.asarray(random_rows(rng, int(np.prod(s[:-1]))).reshape(s))
     return dict(
         key=bf(T, 128), gate=bf(T, 128), ape=jnp.asarray(random_ape(rng, layout.config.kpool)),
-        slot=jnp.asarray(np.array([-1, -1, -1, 9, -1, -1, -1, 10], np.int32)),
+        slot=jnp.asarray(np.array([-1, -1, -1, 105, -1, -1, -1, 106], np.int32)),     # block 3
         tslot=jnp.asarray((8 + np.arange(T) % 8).astype(np.int32)),
         dkey=bf(2, 3, 128), dgate=bf(2, 3, 128),
-        dslot=jnp.asarray(np.array([[-1, -1, 3], [-1, 7, -1]], np.int32)),
+        dslot=jnp.asarray(np.array([[-1, -1, 99], [-1, 103, -1]], np.int32)),        # block 3
         dtslot=jnp.asarray(np.array([[9, 10, 11], [16, 17, 18]], np.int32)),
         dpos=jnp.asarray(np.array([[1, 2, 3], [6, 7, 8]], np.int32)),
     )
@@ -453,10 +464,16 @@ def _bad_calls(layout, a):
     f32 = lambda x: x.astype(jnp.float32)
     i16 = lambda x: x.astype(jnp.int16)
     S, C, D = ops.seed_tail, ops.compress_prefill, ops.decode_update
-    dup_flat = jnp.asarray(np.array([-1, -1, -1, 9, -1, -1, -1, 9], np.int32))
-    too_many = jnp.asarray(np.array([-1, -1, -1, 9, 10, 11, -1, 12], np.int32))
-    too_close = jnp.asarray(np.array([-1, -1, -1, 9, -1, 10, -1, -1], np.int32))
-    dup_dec = jnp.asarray(np.array([[-1, -1, 3], [-1, 3, -1]], np.int32))
+    dup_flat = jnp.asarray(np.array([-1, -1, -1, 105, -1, -1, -1, 105], np.int32))
+    too_many = jnp.asarray(np.array([-1, -1, -1, 105, 106, 107, -1, 108], np.int32))
+    too_close = jnp.asarray(np.array([-1, -1, -1, 105, -1, 106, -1, -1], np.int32))
+    dup_dec = jnp.asarray(np.array([[-1, -1, 99], [-1, 99, -1]], np.int32))
+    null_flat = jnp.asarray(np.array([-1, -1, -1, 31, -1, -1, -1, 106], np.int32))
+    null_tail = a["tslot"].at[5].set(7)
+    null_dec = a["dslot"].at[0, 2].set(3)
+    null_dec_tail = a["dtslot"].at[1, 0].set(0)
+    orphan = a["dtslot"].at[0, 2].set(-1)                 # token [0, 2] completes pool 99 (position 3)
+    orphan_far = a["dtslot"].at[0, 2].set(4 * 8 + 3)      # ... with a tail slot past the last block
     x = dict(implementation="xla")
     return [
         ("seed key f32", lambda c: S(c, layout, 0, f32(a["key"]), a["gate"], a["tslot"], **x),
@@ -515,6 +532,22 @@ def _bad_calls(layout, a):
         ("decode dup", lambda c: D(c, layout, 0, a["dkey"], a["dgate"], a["ape"], dup_dec, a["dtslot"],
                                    a["dpos"], **x),
          r"decode_update: slot_mapping writes the same pool slot twice"),
+        ("compress null block", lambda c: C(c, layout, 0, a["key"], a["gate"], a["ape"], null_flat, **x),
+         r"compress_prefill: slot_mapping\[3\] = 31 is a pool slot of the null block 0 \(pool slots 0 \.\. 31\)"),
+        ("seed null block", lambda c: S(c, layout, 0, a["key"], a["gate"], null_tail, **x),
+         r"seed_tail: tslot\[5\] = 7 is a tail slot of the null block 0 \(tail slots 0 \.\. 7\)"),
+        ("decode null block", lambda c: D(c, layout, 0, a["dkey"], a["dgate"], a["ape"], null_dec, a["dtslot"],
+                                          a["dpos"], **x),
+         r"decode_update: slot_mapping\[0, 2\] = 3 is a pool slot of the null block 0"),
+        ("decode null tail", lambda c: D(c, layout, 0, a["dkey"], a["dgate"], a["ape"], a["dslot"],
+                                         null_dec_tail, a["dpos"], **x),
+         r"decode_update: tslot\[1, 0\] = 0 is a tail slot of the null block 0"),
+        ("decode no tail", lambda c: D(c, layout, 0, a["dkey"], a["dgate"], a["ape"], a["dslot"], orphan,
+                                       a["dpos"], **x),
+         r"decode_update: token \[0, 2\] completes pool slot 99 but its tail slot -1 is invalid"),
+        ("decode tail past the end", lambda c: D(c, layout, 0, a["dkey"], a["dgate"], a["ape"], a["dslot"],
+                                                 orphan_far, a["dpos"], **x),
+         r"decode_update: token \[0, 2\] completes pool slot 99 but its tail slot 35 is invalid"),
     ]
 
 

@@ -26,7 +26,7 @@ def test_seed_with_request_ends_matches_reference(rng, kpool):
     pad = int(rng.integers(0, 6))
     pre = sc.prefill(lengths, pad_to=sum(lengths) + pad)
     ends = np.cumsum(lengths).astype(np.int32)
-    ends = np.concatenate([ends, np.array([0, -1], np.int32)])          # padding entries
+    ends = np.concatenate([ends, np.array([0, 0], np.int32)])           # padding entries
     args = [jnp.asarray(pre[k]) for k in ("key", "gate", "tslot")]
     want = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 1, *args,
                                     implementation="xla")).view(np.uint8)
@@ -88,6 +88,7 @@ def test_engine_request_ends_from_step_metadata_seed_the_same_bytes(rng):
     want = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 0, key, gate, tslot,
                                     implementation="xla")).view(np.uint8)
     got = np.asarray(ops.seed_tail(layout.allocate(SENTINEL), layout, 0, key, gate, tslot,
-                                   request_ends_tokens=prefill_row_ends(pos), implementation="pallas")).view(np.uint8)
+                                   request_ends_tokens=prefill_row_ends(pos, tslot.reshape(pos.shape)),
+                                   implementation="pallas")).view(np.uint8)
     assert (want != SENTINEL).any()
     np.testing.assert_array_equal(got, want)

@@ -46,17 +46,23 @@ def load(name):
 
 
 def compress_case():
-    """vllm_compress: 1024 pools into 64 pages of 32 rows (one layer, block = one page)."""
+    """vllm_compress: 1024 pools into 64 pages of 32 rows (one layer, block = one page).
+
+    vLLM's kernel test writes pages 0 .. 63, page 0 included, but block 0 of a layer here
+    is the null block that no writer touches. So the layout gets one block more and the
+    recorded pages become blocks 1 .. 64: slots shift by one block, and the expected
+    bytes are one all-zero block (the untouched null block) and then the recorded ones."""
     d = load("vllm_compress")
     page_rows = int(d["page_rows"])
     n_pools = d["loc"].shape[0]
     cfg = IndexerConfig(block_size=page_rows * 4)            # S = 32 -> one 32-row page per block
-    layout = CacheLayout(cfg, num_layers=1, num_blocks=d["cache_bytes"].size // cfg.index_block_bytes)
+    layout = CacheLayout(cfg, num_layers=1, num_blocks=d["cache_bytes"].size // cfg.index_block_bytes + 1)
     key = bf16(d["key_bf16_bits"]).reshape(n_pools * 4, 128)
     gate = bf16(d["gate_bf16_bits"]).reshape(n_pools * 4, 128)
     slot = np.full(n_pools * 4, -1, np.int32)
-    slot[3::4] = d["loc"]
-    return layout, key, gate, d["ape"], slot, d["cache_bytes"]
+    slot[3::4] = d["loc"] + cfg.pools_per_block
+    want = np.concatenate([np.zeros(cfg.index_block_bytes, np.uint8), d["cache_bytes"]])
+    return layout, key, gate, d["ape"], slot, want
 
 
 def seed_case():

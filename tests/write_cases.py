@@ -136,7 +136,7 @@ def check_padded_stride(rng, seed_strides, fault):
 def request_ends_case(rng, kpool: int):
     """A flat prefill for seed_tail's request_ends_tokens mode: a long request, requests shorter
     than kpool (their last-kpool window reaches into the previous request), one ending on
-    a pool boundary, padding rows, and padding entries (0, -1) in request_ends_tokens.
+    a pool boundary, padding rows, and padding entries (0) in request_ends_tokens.
     Returns (layout, layer, (key, gate, tslot), request_ends_tokens [N] i32)."""
     cfg = IndexerConfig(kpool=kpool, block_size=512 if kpool == 4 else 2048)
     layout = CacheLayout(cfg, num_layers=2, num_blocks=14)
@@ -144,7 +144,7 @@ def request_ends_case(rng, kpool: int):
                int(rng.integers(1, 3 * kpool))]
     sc = Scenario.random(rng, layout, lengths, layer=1)
     pre = sc.prefill(lengths, pad_to=sum(lengths) + int(rng.integers(0, 6)))
-    ends = np.concatenate([np.cumsum(lengths), [0, -1]]).astype(np.int32)
+    ends = np.concatenate([np.cumsum(lengths), [0, 0]]).astype(np.int32)
     return layout, 1, tuple(jnp.asarray(pre[k]) for k in ("key", "gate", "tslot")), jnp.asarray(ends)
 
 

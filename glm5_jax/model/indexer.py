@@ -63,15 +63,20 @@ def _normal(rngs, shape, std, dtype):
     return jnp.asarray(x.astype(dtype))
 
 
-def prefill_row_ends(pre_positions):
-    """[bp] i32: one past the last flat row of each prefill grid row's chunk.
+def prefill_row_ends(pre_positions, pre_tslots=None):
+    """[bp] i32: one past the last flat row of each prefill grid row's chunk, 0 for a
+    row that seeds nothing (seed_tail's request_ends_tokens).
 
     pre_positions: [bp, width] i32, each grid row one chunk, left-aligned, -1 after
     it (``step_metadata``); row r's chunk ends at flat row r * width + its tokens.
+    pre_tslots: the grid's [bp, width] tail slots (-1 on head tokens and padding), if
+    given: a row without one (empty, or all head tokens) gets 0, as does an empty row
+    without them.
     """
     bp, width = pre_positions.shape
-    return (jnp.arange(bp, dtype=jnp.int32) * width
-            + jnp.sum(pre_positions >= 0, axis=1).astype(jnp.int32))
+    n = jnp.sum(pre_positions >= 0, axis=1).astype(jnp.int32)
+    seeds = n > 0 if pre_tslots is None else jnp.any(pre_tslots >= 0, axis=1)
+    return jnp.where(seeds, jnp.arange(bp, dtype=jnp.int32) * width + n, 0)
 
 
 class Indexer(nnx.Module):
@@ -153,7 +158,7 @@ class Indexer(nnx.Module):
                                      batch["pre_slot_pools"].reshape(-1), **kw)
         # the seed visits only each chunk's last kpool rows (same bytes, cost per request)
         cache = ops.seed_tail(cache, layout, layer, pk, pg, batch["pre_tslots"].reshape(-1),
-                              request_ends_tokens=prefill_row_ends(batch["pre_positions"]), **kw)
+                              request_ends_tokens=prefill_row_ends(batch["pre_positions"],  batch["pre_tslots"]), **kw)
         # 3. read path, after every write of this layer (docs/semantics.md 1.3, 1.4)
         q8, wq = ops.prepare_queries(q, w, **kw)
         pages = batch["page_table_pages"]

@@ -5,7 +5,9 @@ alike (inside Pallas kernels too), so the kernels, the XLA reference, the
 inspection views and the tests all address the buffer through the same lines.
 
 Units: a *pool slot* (``loc``) is pool-granular and layer-local; a *tail slot*
-(``tslot``) is token-granular: ``tail_block * ring + pos % ring``. Offsets are in
+(``tslot``) is token-granular: ``tail_block * ring + pos % ring``. Block 0 is the
+null block (padded page tables point at it): no slot inside it is writable, and
+``pool_slot_valid`` / ``tail_slot_valid`` are the one rule every writer masks by. Offsets are in
 32-bit words (``*_words``). Offsets returned by the ``*_words`` functions are
 local to the layer's indexer region and always < 2**31; ``split_word`` adds the
 layer base and splits the global word address into (row, col) of the
@@ -35,8 +37,10 @@ def byte_view_shape(s: CacheStrides) -> tuple[int, int]:
 
 # ---- pool slots (indexer K cache) ----------------------------------------------
 def pool_slot_valid(s: CacheStrides, loc):
-    """A pool slot writes only if 0 <= loc < num_blocks * pools_per_block."""
-    return (loc >= 0) & (loc < s.num_pool_slots)
+    """A pool slot writes only if it lies in a block 1 .. num_blocks - 1:
+    pools_per_block <= loc < num_blocks * pools_per_block. Block 0 is the null block,
+    so its slots are ignored like padding (-1) and slots past the last block."""
+    return (loc >= s.pools_per_block) & (loc < s.num_pool_slots)
 
 
 def pool_page_row(s: CacheStrides, loc):
@@ -65,8 +69,24 @@ def pool_scale_words(s: CacheStrides, loc):
 
 # ---- tail slots (bf16 ring aliasing the start of the indexer block) -------------
 def tail_slot_valid(s: CacheStrides, tslot):
-    """A tail slot writes only if 0 <= tslot < num_blocks * ring."""
-    return (tslot >= 0) & (tslot < s.num_tail_slots)
+    """A tail slot writes only if its tail block is 1 .. num_blocks - 1:
+    ring <= tslot < num_blocks * ring (block 0, the null block, is never written)."""
+    return (tslot >= s.ring) & (tslot < s.num_tail_slots)
+
+
+def decode_stashes(s: CacheStrides, pos, tslot):
+    """Whether a decode token stashes its key and gate into its ring row: it is live
+    (pos >= 0) and its tail slot is valid (gated on the token-granular tail slot, not on
+    the pool slot: bug B3)."""
+    return (pos >= 0) & tail_slot_valid(s, tslot)
+
+
+def decode_completes(s: CacheStrides, pos, loc, tslot):
+    """Whether a decode token completes (writes) pool slot `loc`: it is live, the last
+    token of its pool (pos % kpool == kpool - 1), its pool slot is valid, and so is its
+    tail slot, since the pool's earlier members come from that tail block's ring. A
+    token without a valid tail slot has no ring to pool from and writes nothing."""
+    return decode_stashes(s, pos, tslot) & (pos % s.kpool == s.kpool - 1) & pool_slot_valid(s, loc)
 
 
 def tail_slot(s, block, pos):
@@ -79,8 +99,9 @@ def tail_slot(s, block, pos):
 def tail_block(s: CacheStrides, tslot):
     """Tail block id of a token-granular tail slot (per token, bug B4).
 
-    An invalid slot (negative padding, or a block id >= num_blocks) maps to the null
-    block 0: that keeps every address inside the buffer; such a token never writes.
+    An invalid slot (negative padding, the null block 0, or a block id >= num_blocks)
+    maps to the null block 0: that keeps every address inside the buffer; such a token
+    never writes (and a decode token with one completes no pool either).
     """
     return (tslot * tail_slot_valid(s, tslot)) // s.ring
 

@@ -294,21 +294,61 @@ def quant_fp8(y, saturates=False):
     ``_backend.kernel_numerics``), so the clip is left out: the same bytes for every
     non-NaN y. No finite value scales past +-448 (test_numerics checks every amax of a
     binade; the clip is for rows holding an infinity, which scale to +-inf, and both ways
-    give +-448 there).
+    give +-448 there). The cache and query rows go through ``rotate_quant``, which
+    applies the non-finite rule first.
     """
-    amax = jnp.max(jnp.abs(y), axis=-1)
+    return _quant_rows(y, jnp.max(jnp.abs(y), axis=-1), saturates)
+
+
+def _quant_rows(y, amax, saturates, finite=None):
+    """quant_fp8 of y [..., 128] with its rows' amax [...] given; rows where `finite` is
+    False become all-zero codes (their amax must be 0: the floor scale)."""
     scale, inv_scale = pow2_scale(amax)
     q = y * inv_scale[..., None]
+    if finite is not None:
+        q = jnp.where(finite[..., None], q, 0.0)
     if not saturates:
         q = jnp.clip(q, -FP8_MAX, FP8_MAX)
     return lax.bitcast_convert_type(e4m3_bits(q), FP8), scale
 
 
-def rotate_quant(x, bf16_round=None, zero_plus=None, fp8_saturates=False):
+# ---- the non-finite rule ------------------------------------------------------------
+# A pool or query row whose values are not all finite has no finite key to store, and
+# NaN arithmetic differs between backends and fusion contexts (which NaN a max returns,
+# what the integer bf16 rounding makes of a NaN pattern), so such rows get ONE answer:
+# all-zero fp8 codes with the floor scale 2**-22 (the bytes of an all-zero row). A row
+# is non-finite when any of its inputs (a pool's keys and scores gate + ape) or any
+# value of its rotation is +-inf or NaN: finite but huge inputs whose rotation
+# overflows are non-finite too. The test reads only
+# exponent bits (integer ops), which every backend computes alike, so the bytes of a
+# row do not depend on the backend or on what else is in the batch.
+F32_FINITE_MAX_BITS = 0x7F7FFFFF         # bits of the largest finite |f32|
+F32_INF_BITS = 0x7F800000
+
+
+def abs_bits(x):
+    """The bits of |x| (f32) as int32: ordered like |x| for non-NaN x, and above
+    F32_FINITE_MAX_BITS exactly when x is +-inf or NaN."""
+    return lax.bitcast_convert_type(_u32(x) & np.uint32(0x7FFFFFFF), jnp.int32)
+
+
+def rotate_quant(x, bf16_round=None, zero_plus=None, fp8_saturates=False, flag_bits=None):
     """bf16-rounded f32 x[..., 128] -> Hadamard/sqrt(128) -> bf16 round -> fp8 + scale.
-    The keywords are ``compress_pool``'s (kernel forms of the same operations)."""
-    y = (round_bf16 if bf16_round is None else bf16_round)(hadamard128(x, zero_plus) * INV_SQRT_128)
-    return quant_fp8(y, fp8_saturates)
+    The keywords are ``compress_pool``'s (kernel forms of the same operations).
+
+    The non-finite rule (above): a row with a non-finite rotated value, or with
+    flag_bits [..., 128] int32 (``abs_bits`` of its inputs, max-combined) above
+    F32_FINITE_MAX_BITS anywhere, is all-zero codes with scale 2**-22. The row's amax
+    is the integer max of ``abs_bits``, the same value as the f32 max of |y| for a
+    finite row, so finite rows keep their bytes."""
+    y0 = hadamard128(x, zero_plus) * INV_SQRT_128
+    y = (round_bf16 if bf16_round is None else bf16_round)(y0)
+    flag = abs_bits(y0) if flag_bits is None else jnp.maximum(flag_bits, abs_bits(y0))
+    bits = jnp.where(flag > F32_FINITE_MAX_BITS, F32_INF_BITS, abs_bits(y))
+    amax_bits = jnp.max(bits, axis=-1)
+    finite = amax_bits <= F32_FINITE_MAX_BITS
+    amax = lax.bitcast_convert_type(jnp.where(finite, amax_bits, 0), jnp.float32)
+    return _quant_rows(y, amax, fp8_saturates, finite)
 
 
 def mac_bf16(c, k, e, mul=None):
@@ -376,7 +416,10 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
     passes ``softmax_weights_knockout`` at one token per request: one exp fewer, the same
     bits for finite scores).
     Two-pass softmax with explicit left-to-right sums, so every backend adds in the
-    same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32).
+    same order. Returns (q8 [..., 128] e4m3fn, scale [...] f32). A pool with a non-finite
+    key or score (gate + ape), or whose rotation is not finite, is all-zero codes with
+    scale 2**-22 (the non-finite rule, ``rotate_quant``): the softmax of such scores and
+    the NaN arithmetic after it differ between backends.
 
     The pooled sum starts from the first product k_0 e_0, not from 0 + k_0 e_0. The two
     differ only in the sign of a zero sum (all products +-0, the first -0: -0 here, +0
@@ -386,19 +429,25 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
     """
     r = len(keys)
     s = [gates[j].astype(jnp.float32) + ape_rows[j] for j in range(r)]
+    k = [keys[j].astype(jnp.float32) for j in range(r)]
+    flag = abs_bits(s[0])                                  # the non-finite rule's inputs (rotate_quant)
+    for v in s[1:] + k:
+        flag = jnp.maximum(flag, abs_bits(v))
     mul = mul_rounded if mul is None else mul
     e = (softmax_weights if weights is None else weights)(s, lambda d: exp_nonpositive_f32(d, exp_lookup, mul))
     den = e[0]
-    acc = mul(keys[0].astype(jnp.float32), e[0])           # no 0 + (see above)
+    acc = mul(k[0], e[0])                                  # no 0 + (see above)
     for j in range(1, r):
         den = den + e[j]
-        acc = mac_bf16(acc, keys[j].astype(jnp.float32), e[j], mul)
+        acc = mac_bf16(acc, k[j], e[j], mul)
     x = (round_bf16 if bf16_round is None else bf16_round)(acc * recip_f32(den, mul))
-    return rotate_quant(x, bf16_round, zero_plus, fp8_saturates)
+    return rotate_quant(x, bf16_round, zero_plus, fp8_saturates, flag)
 
 
 def fwht_quant_rows(q):
-    """Query side (docs/semantics.md 2.3): q[..., 128] bf16 -> (q8 e4m3fn, scale f32)."""
+    """Query side (docs/semantics.md 2.3): q[..., 128] bf16 -> (q8 e4m3fn, scale f32). A row holding
+    +-inf or NaN, or whose rotation overflows, is all-zero codes with scale 2**-22
+    (the non-finite rule, ``rotate_quant``)."""
     return rotate_quant(q.astype(jnp.float32))
 
 

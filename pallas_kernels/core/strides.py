@@ -83,11 +83,11 @@ class CacheStrides:
         return self.page_rows * self.pages_per_block
 
     @property
-    def num_pool_slots(self) -> int:        # valid pool slots: 0 .. num_pool_slots-1
+    def num_pool_slots(self) -> int:        # pool slots 0 .. num_pool_slots-1 (block 0's never written)
         return self.num_blocks * self.pools_per_block
 
     @property
-    def num_tail_slots(self) -> int:        # valid tail slots: 0 .. num_tail_slots-1
+    def num_tail_slots(self) -> int:        # tail slots 0 .. num_tail_slots-1 (block 0's never written)
         return self.num_blocks * self.ring
 
     @property

@@ -1,8 +1,9 @@
 """Triton kernel: batched decode update with pool completion (docs/semantics.md 5.4).
 
 Touches ONLY, per request b and token t (in index = position order):
-  * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc):
-    the 128 key bytes and 4 scale bytes of pool slot loc;
+  * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc and
+    valid tail slot: ``addressing.decode_completes``): the 128 key bytes and 4 scale
+    bytes of pool slot loc;
   * if pos >= 0 and its tail slot is valid: the 2 x 256 bytes of ring row
     pos % ring of its own tail block (tslot // ring).
 It reads the kpool-1 earlier members of a completing pool from the same ring.
@@ -31,7 +32,7 @@ from ..core import numerics as nm
 from ..core.strides import CacheStrides
 from . import _call
 from .addressing_tl import word_index
-from .numerics_tl import (NAN_ALL, bf16_to_f32, exp_f32, mac_bf16, pool_finish, rotate_quant_words,
+from .numerics_tl import (NAN_ALL, abs_bits, bf16_to_f32, exp_f32, mac_bf16, pool_finish, rotate_quant_words,
                           unpack_words_f32)
 
 NUM_WARPS = 1
@@ -47,11 +48,10 @@ def decode_targets(s: CacheStrides, slot_mapping, tslot, positions):
     completes nothing. The ring block is the token's own (tail_block(tslot), bug B4).
     """
     r = s.kpool
-    live = positions >= 0
     pos_c = jnp.maximum(positions, 0)
     blk = addr.tail_block(s, tslot)                                                  # [B, n]
-    complete = live & (pos_c % r == r - 1) & addr.pool_slot_valid(s, slot_mapping)
-    stash = live & addr.tail_slot_valid(s, tslot)
+    complete = addr.decode_completes(s, positions, slot_mapping, tslot)
+    stash = addr.decode_stashes(s, positions, tslot)
 
     def ring_entry(ring_slot, write):
         out = []
@@ -108,17 +108,23 @@ def decode_update_kernel(N, tab_ptr, key_ptr, gate_ptr, ape_ptr, cache_in_ptr, c
         prow = tl.load(ent + R * 4 + 0)
         if prow >= 0:                                                     # completes a pool
             mx = _score(cache_ptr, ent, gate_row_ptr, ape_ptr, 0, R)      # [1, 128]
+            flag = abs_bits(mx)                                           # the non-finite rule's flag
             for j in tl.static_range(1, R):
-                mx = tl.maximum(mx, _score(cache_ptr, ent, gate_row_ptr, ape_ptr, j, R),
-                                propagate_nan=NAN_ALL)
+                sj = _score(cache_ptr, ent, gate_row_ptr, ape_ptr, j, R)
+                flag = tl.maximum(flag, abs_bits(sj))
+                mx = tl.maximum(mx, sj, propagate_nan=NAN_ALL)
             e = exp_f32(_score(cache_ptr, ent, gate_row_ptr, ape_ptr, 0, R) - mx, ape_ptr + R * 128)
             den = e
-            acc = mac_bf16(tl.zeros_like(e), _member(cache_ptr, ent, key_row_ptr, 0, 0, R), e)
+            kj = _member(cache_ptr, ent, key_row_ptr, 0, 0, R)
+            flag = tl.maximum(flag, abs_bits(kj))
+            acc = mac_bf16(tl.zeros_like(e), kj, e)
             for j in tl.static_range(1, R):
                 e = exp_f32(_score(cache_ptr, ent, gate_row_ptr, ape_ptr, j, R) - mx, ape_ptr + R * 128)
                 den = den + e
-                acc = mac_bf16(acc, _member(cache_ptr, ent, key_row_ptr, j, 0, R), e)
-            words, scale = rotate_quant_words(pool_finish(acc, den), 1)   # [1, 32] u32, [1] f32
+                kj = _member(cache_ptr, ent, key_row_ptr, j, 0, R)
+                flag = tl.maximum(flag, abs_bits(kj))
+                acc = mac_bf16(acc, kj, e)
+            words, scale = rotate_quant_words(pool_finish(acc, den), flag, 1)   # [1, 32] u32, [1] f32
             pcol = tl.load(ent + R * 4 + 1)
             srow = tl.load(ent + R * 4 + 2)
             scol = tl.load(ent + R * 4 + 3)

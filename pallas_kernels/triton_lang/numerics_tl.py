@@ -26,7 +26,10 @@ the bits match across backends (see numerics.py and docs/design.md):
   (the same adds as ``numerics.hadamard128``'s in-place stages); each output is
   canonicalised with ``+ 0.0`` (Triton does not fold it), so no -0 appears, like the
   reference, which turns -0 inputs into +0 before its first stage;
-* min/max clamps propagate NaN like ``jnp.clip`` / ``jnp.maximum``.
+* min/max clamps propagate NaN like ``jnp.clip`` / ``jnp.maximum``;
+* the non-finite rule (``numerics.rotate_quant``): a row whose inputs or rotated
+  values are not all finite is all-zero codes with scale 2**-22, decided from the
+  exponent bits (``abs_bits``, integer ops), never from NaN arithmetic.
 
 Constants are the float32 values the reference uses (its Python floats rounded
 to f32 once, here, with numpy), so Triton never has to round a literal.
@@ -60,6 +63,8 @@ EXP_LO = _f32c(-87.0)
 EXP_HI = _f32c(88.0)
 NAN_ALL = tl.constexpr(tl.PropagateNan.ALL)
 ROUNDED_MAX_BITS = tl.constexpr(0xFFFFFFFE)          # numerics.rounded: min(bits, this) keeps every non-NaN value
+F32_FINITE_MAX_BITS = tl.constexpr(nm.F32_FINITE_MAX_BITS)
+F32_INF_BITS = tl.constexpr(nm.F32_INF_BITS)
 
 
 # ---- bit views ----------------------------------------------------------------
@@ -71,6 +76,12 @@ def as_u32(x):
 @triton.jit
 def as_f32(u):
     return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def abs_bits(x):
+    """numerics.abs_bits: the bits of |x| as int32 (> F32_FINITE_MAX_BITS iff inf / NaN)."""
+    return (as_u32(x) & 0x7FFFFFFF).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -176,15 +187,21 @@ def hadamard128(x, M: tl.constexpr):
 
 
 @triton.jit
-def rotate_quant_words(x, M: tl.constexpr):
+def rotate_quant_words(x, flag, M: tl.constexpr):
     """numerics.rotate_quant of bf16-rounded f32 x [M, 128], packed for the cache.
+    flag [M, 128] int32: abs_bits of the pool's inputs, max-combined (the non-finite rule).
 
     Returns (words [M, 32] uint32: fp8 byte 4w+i at bits 8i, scale [M] f32).
     """
-    y = round_bf16(hadamard128(x, M) * INV_SQRT_128)                  # [M, 128]
-    amax = tl.max(tl.abs(y), axis=1)                                  # [M]
+    y0 = hadamard128(x, M) * INV_SQRT_128                             # [M, 128]
+    y = round_bf16(y0)
+    flag = tl.maximum(flag, abs_bits(y0))
+    bits = tl.where(flag > F32_FINITE_MAX_BITS, F32_INF_BITS, abs_bits(y))
+    amax_bits = tl.max(bits, axis=1)                                  # [M]: max |y| of a finite row
+    finite = amax_bits <= F32_FINITE_MAX_BITS
+    amax = tl.where(finite, amax_bits, 0).to(tl.float32, bitcast=True)
     scale, inv_scale = pow2_scale(amax)
-    q = y * inv_scale[:, None]
+    q = tl.where(finite[:, None], y * inv_scale[:, None], 0.0)
     q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=NAN_ALL), FP8_MAX, propagate_nan=NAN_ALL)
     codes = tl.reshape(e4m3_code(q), [M, 32, 4])                      # [M, 32, 4] u32
     shift = (tl.arange(0, 4) * 8).to(tl.uint32)                       # [4]

@@ -26,7 +26,7 @@ from ..core import numerics as nm
 from ..core.strides import CacheStrides
 from . import _call
 from .addressing_tl import word_index
-from .numerics_tl import NAN_ALL, bf16_to_f32, exp_f32, mac_bf16, pool_finish, rotate_quant_words
+from .numerics_tl import NAN_ALL, abs_bits, bf16_to_f32, exp_f32, mac_bf16, pool_finish, rotate_quant_words
 
 TILE_POOLS = 4
 NUM_WARPS = 4
@@ -78,19 +78,26 @@ def compress_prefill_kernel(N, first_ptr, dst_ptr, key_ptr, gate_ptr, ape_ptr, c
     if tl.max(first, axis=0) >= 0:                                        # skip padding-only tiles
         m = (first >= 0)[:, None]                                         # [TILE, 1]
         row0 = tl.maximum(first, 0).to(tl.int64)                          # [TILE] first member row
-        # pass 1: the per-dimension max of the scores
+        # pass 1: the per-dimension max of the scores (and the non-finite rule's flag)
         mx = _score(gate_ptr, ape_ptr, row0, m, 0)                        # [TILE, 128]
+        flag = abs_bits(mx)
         for j in tl.static_range(1, R):
-            mx = tl.maximum(mx, _score(gate_ptr, ape_ptr, row0, m, j), propagate_nan=NAN_ALL)
+            sj = _score(gate_ptr, ape_ptr, row0, m, j)
+            flag = tl.maximum(flag, abs_bits(sj))
+            mx = tl.maximum(mx, sj, propagate_nan=NAN_ALL)
         # pass 2: weights and left-to-right sums
         e = exp_f32(_score(gate_ptr, ape_ptr, row0, m, 0) - mx, ape_ptr + R * 128)
         den = e
-        acc = mac_bf16(tl.zeros_like(e), _member(key_ptr, row0, m, 0), e)
+        kj = _member(key_ptr, row0, m, 0)
+        flag = tl.maximum(flag, abs_bits(kj))
+        acc = mac_bf16(tl.zeros_like(e), kj, e)
         for j in tl.static_range(1, R):
             e = exp_f32(_score(gate_ptr, ape_ptr, row0, m, j) - mx, ape_ptr + R * 128)
             den = den + e
-            acc = mac_bf16(acc, _member(key_ptr, row0, m, j), e)
-        words, scale = rotate_quant_words(pool_finish(acc, den), TILE)    # [TILE, 32] u32, [TILE] f32
+            kj = _member(key_ptr, row0, m, j)
+            flag = tl.maximum(flag, abs_bits(kj))
+            acc = mac_bf16(acc, kj, e)
+        words, scale = rotate_quant_words(pool_finish(acc, den), flag, TILE)   # [TILE, 32] u32, [TILE] f32
         # store the record
         krow = tl.load(dst_ptr + k * 4 + 0, mask=ok, other=-1)
         kcol = tl.load(dst_ptr + k * 4 + 1, mask=ok, other=0)

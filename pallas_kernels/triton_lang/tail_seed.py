@@ -108,7 +108,8 @@ def plan(cache, s: CacheStrides, key, gate, tslot, request_ends_tokens=None, *, 
 def seed_tail(cache, s: CacheStrides, key, gate, tslot, request_ends_tokens=None, *, tile_tokens=TILE_TOKENS,
               num_warps=NUM_WARPS):
     """cache: [total_words] u32; key, gate: [T, 128] bf16; tslot: [T] i32; request_ends_tokens:
-    optional [N] i32, one past each request's last row (<= 0: none). Returns the new cache.
+    optional [N] i32, one past each request's last row (0: padding; a negative entry visits
+    nothing, like 0). Returns the new cache.
     tile_tokens (a power of two) and num_warps are launch parameters: same bytes."""
     launch = plan(cache, s, key, gate, tslot, request_ends_tokens, tile_tokens=tile_tokens, num_warps=num_warps)
     return cache if launch is None else _call.run(launch)

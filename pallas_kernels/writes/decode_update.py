@@ -1,8 +1,9 @@
 """Kernel: batched decode update with pool completion (docs/semantics.md 5.4).
 
 Touches ONLY, per request b and token t (in index = position order):
-  * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc):
-    the 128 key bytes and 4 scale bytes of pool slot loc;
+  * if the token completes a pool (pos % kpool == kpool-1, valid pool slot loc and
+    valid tail slot: ``addressing.decode_completes``): the 128 key bytes and 4 scale
+    bytes of pool slot loc;
   * if pos >= 0 and its tail slot is valid: the 2 x 256 bytes of ring row
     pos % ring of its own tail block (tslot // ring).
 It reads the kpool-1 earlier members of a completing pool from the same ring.
@@ -159,12 +160,12 @@ def _forward_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, ta
     gates_in = [gate_ref[b, t, :] for t in range(n)]
     blk = [addr.tail_block(s, ts) for ts in tslot]                  # each token's own block (bug B4)
     ring_slot = [jnp.maximum(p, 0) % s.ring for p in pos]
-    stashes = [(pos[t] >= 0) & addr.tail_slot_valid(s, tslot[t]) for t in range(n)]   # gated on tslot (B3)
+    stashes = [addr.decode_stashes(s, pos[t], tslot[t]) for t in range(n)]             # gated on tslot (B3)
 
     # 2. the walk's completions, in token order
     def token(t, carry):
         p_t, loc_t, blk_t = _pick(pos, t), _pick(loc, t), _pick(blk, t)
-        complete = (p_t >= 0) & (p_t % r == r - 1) & addr.pool_slot_valid(s, loc_t)
+        complete = addr.decode_completes(s, p_t, loc_t, _pick(tslot, t))
 
         @B.when(complete)
         def _complete():
@@ -265,9 +266,8 @@ def _walk_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_r
         tslot = tslot_ref[b, t]
         loc = slot_ref[b, t]
         blk = addr.tail_block(s, tslot)                     # this token's own block (bug B4)
-        live = pos >= 0
         pos_c = jnp.maximum(pos, 0)
-        complete = live & (pos_c % r == r - 1) & addr.pool_slot_valid(s, loc)
+        complete = addr.decode_completes(s, pos, loc, tslot)
         B.barrier(interpret)                                # earlier tokens' stashes are visible
 
         @B.when(complete)
@@ -282,7 +282,7 @@ def _walk_kernel(pos_ref, slot_ref, tslot_ref, key_ref, gate_ref, ape_ref, tab_r
 
         B.barrier(interpret)                                # reads above finish before the stash
         _stash(cache_ref, s, blk, pos_c % s.ring, key_ref[b, t, :], gate_ref[b, t, :],
-               live & addr.tail_slot_valid(s, tslot))       # gated on the tail slot (bug B3)
+               addr.decode_stashes(s, pos, tslot))          # gated on the tail slot (bug B3)
         return carry
 
     lax.fori_loop(0, n, token, 0)

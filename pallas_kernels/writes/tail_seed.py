@@ -65,7 +65,8 @@ def _kernel(ends_ref, tslot_ref, key_ref, gate_ref, _cache_in, cache_ref, *, s: 
 @functools.partial(jax.jit, static_argnames=("s", "interpret"))
 def seed_tail(cache, s: CacheStrides, key, gate, tslot, request_ends_tokens=None, *, interpret=None):
     """cache: [total_words] u32; key, gate: [T, 128] bf16; tslot: [T] i32;
-    request_ends_tokens: optional [N] i32, one past each request's last row (<= 0: none).
+    request_ends_tokens: optional [N] i32, one past each request's last row (0: padding;
+    a negative entry visits nothing, like 0).
     Returns the new cache."""
     t = key.shape[0]
     if t == 0:

@@ -146,7 +146,7 @@ def _unary_kernel(x_ptr, o_ptr, tab_ptr, OP: tl.constexpr, M: tl.constexpr):
 @triton.jit
 def _quant_kernel(x_ptr, w_ptr, s_ptr, M: tl.constexpr):
     idx = tl.arange(0, M)[:, None] * 128 + tl.arange(0, 128)[None, :]
-    words, scale = N.rotate_quant_words(tl.load(x_ptr + idx), M)
+    words, scale = N.rotate_quant_words(tl.load(x_ptr + idx), tl.zeros([M, 128], tl.int32), M)
     tl.store(w_ptr + tl.arange(0, M)[:, None] * 32 + tl.arange(0, 32)[None, :], words)
     tl.store(s_ptr + tl.arange(0, M), scale)
 
