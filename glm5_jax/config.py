@@ -8,7 +8,7 @@ import numpy as np
 
 from pallas_kernels.core.strides import ROW_BYTES, TAIL_ROW_BYTES, VIEW_COLS, WORD_BYTES
 
-MAX_HEADS = 64                      # the logits kernels run 32 or 64 (zero-padded) heads
+MAX_HEADS = 64                      # the logits kernels take 32 or 64 (zero-padded) heads
 # One layer's indexer region must stay below 2**31 - VIEW_COLS words (31-bit layer-local
 # offsets, addressing.split_word), and a layout holds at least 2 blocks.
 MAX_REGION_WORDS = 2**31 - VIEW_COLS
@@ -54,7 +54,7 @@ class IndexerConfig:
             raise ValueError(f"head_dim must be 128 (the Hadamard-128 rotation and the 132-byte "
                              f"cache row are fixed), got {self.head_dim}")
         if not 1 <= self.n_heads <= MAX_HEADS:
-            raise ValueError(f"n_heads must be in [1, {MAX_HEADS}] (the logits run 32 or 64 zero-padded "
+            raise ValueError(f"n_heads must be in [1, {MAX_HEADS}] (the logits take 32 or 64 zero-padded "
                              f"heads), got {self.n_heads}")
         if self.kpool < 1:
             raise ValueError(f"kpool must be >= 1, got {self.kpool}")

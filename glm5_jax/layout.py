@@ -137,7 +137,7 @@ class CacheLayout:
         c = self.config
         return CacheStrides(
             kpool=c.kpool, ring=c.ring, page_rows=c.page_rows, pages_per_block=c.pages_per_block,
-            num_blocks=self.num_blocks, index_base_bytes=self.index_base_bytes(int(layer)),
+            num_blocks=self.num_blocks, index_base_bytes=self.index_base_bytes(layer),
             index_block_bytes=c.index_block_bytes, total_bytes=self.total_bytes)
 
     def attn_strides(self, layer: int, kv_row_bytes: int) -> AttnStrides:

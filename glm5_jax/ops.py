@@ -210,7 +210,7 @@ def _refuse_completions_without_tail(op, slot_mapping, tslot, positions, layout)
 
 
 def _check_decode_owners(op, slot_mapping, tslot, positions, layout):
-    """Concrete inputs only: the one-owner rule of block ids (spec 3.5) within a call.
+    """Concrete inputs only: the one-owner rule of block ids (docs/semantics.md 3.5) within a call.
     Requests run in parallel, one program each, so a tail block used by the live tokens
     of two rows b would be written by both; and a pool record inside a tail block of the
     call would overlap ring rows the launch reads (the "forward" program takes ring rows

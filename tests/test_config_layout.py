@@ -123,7 +123,7 @@ BAD_CONFIGS = [
     (dict(head_dim=64), r"head_dim must be 128"),
     (dict(head_dim=256), r"head_dim must be 128"),
     (dict(n_heads=0), r"n_heads must be in \[1, 64\]"),
-    (dict(n_heads=65), r"n_heads must be in \[1, 64\] \(the logits run 32 or 64 zero-padded heads\), got 65"),
+    (dict(n_heads=65), r"n_heads must be in \[1, 64\] \(the logits take 32 or 64 zero-padded heads\), got 65"),
     (dict(n_heads=-3), r"n_heads must be in \[1, 64\]"),
     (dict(kpool=0), r"kpool must be >= 1"),
     (dict(num_spec_tokens=-1), r"num_spec_tokens must be >= 0"),
