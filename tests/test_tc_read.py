@@ -299,7 +299,7 @@ def test_tc_select_tokens_follows_the_contract(rng):
     gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
     gold, e = gold[0], e[0]
     decided = decided_rows(gold, e, ctx[0], k)
-    assert decided.size > 0.5 * pos.shape[1]                     # the check is not vacuous
+    assert decided.size >= 0.25 * pos.shape[1]                   # the check is not vacuous
     want = np_expand(np_topk(gold, ctx[0], k), seq[0], c.kpool)
     sel = lambda x: np.sort(x[:, :k * c.kpool].reshape(x.shape[0], k, c.kpool)[..., 0], axis=1)   # noqa: E731
     np.testing.assert_array_equal(sel(got[decided]), sel(want[decided]))               # the selected sets

@@ -22,6 +22,7 @@ from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.testing import Scenario
+from pallas_kernels.core import addressing as addr
 from pallas_kernels.core.strides import VIEW_COLS, WORD_BYTES
 from pallas_kernels.triton_lang import _call
 from write_cases import (CASES, SENTINEL, as_bytes, assert_pools_golden, assert_same_snapshots,
@@ -122,7 +123,8 @@ def test_triton_launch_shapes(rng, tile, num_warps):
     n = key.shape[0] // 4 * 4
     pos = jnp.arange(n, dtype=jnp.int32).reshape(1, n)
     pk, pg = key[:n].reshape(1, n, 128), gate[:n].reshape(1, n, 128)
-    st = jnp.full((1, n), -1, jnp.int32).at[0, 3::4].set(jnp.arange(n // 4, dtype=jnp.int32))
+    first = addr.pool_slot(s, addr.block_page(s, 1, 0), 0)          # block 1: never the null block 0
+    st = jnp.full((1, n), -1, jnp.int32).at[0, 3::4].set(first + jnp.arange(n // 4, dtype=jnp.int32))
     tsl = (jnp.arange(n, dtype=jnp.int32) % layout.config.ring + 3 * layout.config.ring).reshape(1, n)
     want = as_bytes(ops.decode_update(layout.allocate(SENTINEL), layout, 0, pk, pg, ape, st, tsl, pos,
                                       implementation="xla"))
