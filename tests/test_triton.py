@@ -122,7 +122,8 @@ def test_triton_launch_shapes(rng, tile, num_warps):
     n = key.shape[0] // 4 * 4
     pos = jnp.arange(n, dtype=jnp.int32).reshape(1, n)
     pk, pg = key[:n].reshape(1, n, 128), gate[:n].reshape(1, n, 128)
-    st = jnp.full((1, n), -1, jnp.int32).at[0, 3::4].set(jnp.arange(n // 4, dtype=jnp.int32))
+    st = jnp.full((1, n), -1, jnp.int32).at[0, 3::4].set(jnp.arange(n // 4, dtype=jnp.int32)
+                                                         + 4 * layout.config.pools_per_block)     # block 4
     tsl = (jnp.arange(n, dtype=jnp.int32) % layout.config.ring + 3 * layout.config.ring).reshape(1, n)
     want = as_bytes(ops.decode_update(layout.allocate(SENTINEL), layout, 0, pk, pg, ape, st, tsl, pos,
                                       implementation="xla"))
