@@ -64,9 +64,10 @@ class CacheLayout:
                 f"one layer's attention region ({self.attn_region_bytes} B) must stay below 8 GiB; "
                 f"use fewer blocks per device or smaller attention blocks")
         if self.total_bytes > MAX_TOTAL_BYTES:
+            per_block = self.bytes_per_block // self.num_layers
             raise ValueError(
-                f"the buffer of {self.num_layers} layers x {self.num_blocks} blocks x {self.bytes_per_block // self.num_layers} "
-                f"B would be {self.total_bytes:,} B ({_gib(self.total_bytes)}): more than the {_gib(MAX_TOTAL_BYTES)} "
+                f"the buffer of {self.num_layers} layers x {self.num_blocks} blocks x {per_block} B would be "
+                f"{self.total_bytes:,} B ({_gib(self.total_bytes)}): more than the {_gib(MAX_TOTAL_BYTES)} "
                 f"its word view can address; use fewer layers or blocks")
         # Every layer's strides pass CacheStrides' checks if the first and the last do (the
         # layers differ only in their base), so an impossible layout fails here, at once.

@@ -126,7 +126,7 @@ def test_bad_input_is_one_clear_line(capsys, argv, fragment):
 
 def test_layout_of_a_huge_cache_answers_at_once():
     """The planner checks the size limits before anything per layer: 10**8 layers are
-    refused, or planned, in well under a second (the per-layer strides took minutes)."""
+    refused, or planned, in well under a second (strides built per layer take minutes)."""
     import time
     t0 = time.perf_counter()
     r = _run_module("layout", "--layers", "100000000", timeout=60)

@@ -263,8 +263,8 @@ def test_non_finite_rows_are_zero_codes_with_the_floor_scale(rng):
     """The non-finite rule (numerics.rotate_quant): a query row holding +-inf or NaN,
     or whose rotation overflows, is all-zero fp8 codes
     with scale 2**-22, the bytes of an all-zero row, in the XLA form and in the Pallas
-    kernel alike, whatever rows are beside it. On main a NaN row got scale -0.0 from
-    XLA and 2.4e-7 from the kernel, with NaN codes (0x7F)."""
+    kernel alike, whatever rows are beside it. (NaN arithmetic alone gives a NaN row
+    scale -0.0 in the XLA form and 2.4e-7 in the kernel, with NaN codes 0x7F.)"""
     from glm5_jax import ops
     bad = _non_finite_query_rows()
     q = np.asarray(random_rows_bf16(rng, 37))

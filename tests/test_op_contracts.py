@@ -18,7 +18,6 @@ seeded rows write one tail slot. For every input:
 
 Shapes are fixed (one compile per op and implementation), the layout small.
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -66,8 +66,8 @@ def _block0(layer=LAYER):
 def test_null_block_is_never_written(rng, impl):
     """Pool and tail slots inside block 0 are ignored like padding by all three writers
     (compress_prefill, seed_tail, decode_update) under jit: block 0 keeps its bytes and
-    the cache equals the one written with those slots at -1. On main each writer wrote
-    into block 0."""
+    the cache equals the one written with those slots at -1. (A validity predicate that
+    takes block 0 lets each of them write into it.)"""
     fill = int(rng.integers(0, 256))
     key, gate = _rows(rng, T), _rows(rng, T)
     ape = jnp.asarray(rng.standard_normal((R, 128)), jnp.float32)
@@ -147,8 +147,9 @@ def test_null_block_slots_are_refused_on_concrete_input(rng):
 def test_completion_without_tail_slot_writes_nothing(rng, impl):
     """A pool-completing decode token with a valid pool slot but an invalid tail slot
     (-1, negative, past the last block) writes nothing: its pool's earlier members are
-    in its own tail ring, which it has none of. On main it wrote the pool, pooled from
-    block 0's ring bytes (the address an invalid tail slot is clamped to)."""
+    in its own tail ring, which it has none of. (Gated on the pool slot alone it writes
+    the pool, pooled from block 0's ring bytes: the address an invalid tail slot is
+    clamped to.)"""
     start = _random_cache(rng)
     ape = jnp.asarray(rng.standard_normal((R, 128)), jnp.float32)
     dk, dg = _rows(rng, B, N), _rows(rng, B, N)
@@ -253,9 +254,9 @@ def test_non_finite_pools_have_one_answer(rng):
     """A pool with a NaN or +-inf key or score, or whose rotation overflows (1e37 keys),
     is written as all-zero fp8 codes with the floor scale 2**-22, by the reference and
     the Pallas kernels, by the prefill writer and the decode writer, alone or beside
-    other pools. Finite pools, huge gates included, agree the same way. On main the
-    bytes of such a pool depended on the implementation and on the batch around it
-    (scale -0.0 alone, 2**-22 in a batch, NaN codes)."""
+    other pools. Finite pools, huge gates included, agree the same way. (Left to NaN
+    arithmetic, the bytes of such a pool depend on the implementation and on the batch
+    around it: scale -0.0 alone, 2**-22 in a batch, NaN codes.)"""
     cases = _pool_cases(rng)
     ape = jnp.asarray(rng.standard_normal((R, 128)) * 0.5, jnp.float32)
     fill = int(rng.integers(0, 256))
@@ -289,7 +290,8 @@ def test_request_ends_have_one_meaning_under_jit(rng, impl):
     by the reference as by the kernels: entries that miss a request leave its tail
     alone, a wrong end seeds only the rows of its window that the rule seeds anyway,
     negative entries count as padding. With agreeing entries the bytes are those without
-    them. On main the reference ignored the entries and the kernels did not."""
+    them. (A reference that ignores the entries disagrees with the kernels, which
+    visit only the windows.)"""
     ts, ends = _seed_batch(rng)
     key, gate = _rows(rng, T), _rows(rng, T)
     fill = int(rng.integers(0, 256))
