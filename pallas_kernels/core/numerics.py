@@ -429,8 +429,9 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
     """
     r = len(keys)
     s = [gates[j].astype(jnp.float32) + ape_rows[j] for j in range(r)]
+    k = [keys[j].astype(jnp.float32) for j in range(r)]
     flag = abs_bits(s[0])                                  # the non-finite rule's inputs (rotate_quant)
-    for v in s[1:] + [keys[j].astype(jnp.float32) for j in range(r)]:
+    for v in s[1:] + k:
         flag = jnp.maximum(flag, abs_bits(v))
     mul = mul_rounded if mul is None else mul
     e = (softmax_weights if weights is None else weights)(s, lambda d: exp_nonpositive_f32(d, exp_lookup, mul))
@@ -438,7 +439,7 @@ def compress_pool(keys, gates, ape_rows, exp_lookup=None, mul=None, bf16_round=N
     acc = mul(k[0], e[0])                                  # no 0 + (see above)
     for j in range(1, r):
         den = den + e[j]
-        acc = mac_bf16(acc, keys[j].astype(jnp.float32), e[j], mul)
+        acc = mac_bf16(acc, k[j], e[j], mul)
     x = (round_bf16 if bf16_round is None else bf16_round)(acc * recip_f32(den, mul))
     return rotate_quant(x, bf16_round, zero_plus, fp8_saturates, flag)
 
