@@ -708,8 +708,9 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
                           workspace_bytes):
     """select_tokens with implementation="triton": chunks of query rows (at most
     ``workspace_bytes`` of logits and top-k buffers at a time,
-    ``pallas_kernels.read.workspace``) through the tensor-core logits kernel and the
-    Triton row top-k."""
+    ``pallas_kernels.read.workspace``) through the tensor-core logits kernel, which
+    also writes each row's group maxima, and the Triton row top-k, which reads only the
+    groups whose maximum reaches the row's floor."""
     tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")
     tc_topk = importlib.import_module("pallas_kernels.triton_lang.topk_rows")
     b, n = q8.shape[:2]
@@ -720,8 +721,9 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
 
         def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids
             bb, cn = cx.shape
-            lg = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False)
-            return tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k).reshape(bb, cn, k)
+            lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True)
+            return tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
+                                      mx.reshape(bb * cn, -1)).reshape(bb, cn, k)
 
         return ref.map_query_rows(rows, chunk, q8, weights, ctx)
 

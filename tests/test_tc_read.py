@@ -118,7 +118,26 @@ def test_rows_per_chunk_refuses_a_bound_below_one_row():
 def test_topk_scratch_width_is_the_next_power_of_two():
     for k, kp in ((1, 1), (2, 2), (3, 4), (512, 512), (513, 1024), (2048, 2048)):
         assert workspace.padded_k(k) == kp
-        assert workspace.topk_scratch_bytes_per_row(k) == 2 * kp * 8
+        cap = workspace.MAXIMA_GROUP_POOLS * kp
+        assert workspace.candidate_cap(k) == cap
+        assert workspace.topk_scratch_bytes_per_row(k) == (2 * kp + cap) * 8 + cap * 4
+
+
+def test_maxima_groups_partition_each_step():
+    """Every column of a 64-column step is in exactly one of its 8 groups, each group within
+    one 16-column page (P >= 16), and maxima_cols holds the groups of every step a row of
+    n columns touches."""
+    per_step = workspace.MAXIMA_STEP_POOLS // workspace.MAXIMA_GROUP_POOLS
+    for step in range(3):
+        cols = [c for g in range(step * per_step, (step + 1) * per_step) for c in workspace.group_columns(g)]
+        assert sorted(cols) == list(range(step * 64, step * 64 + 64))
+        for g in range(step * per_step, (step + 1) * per_step):
+            assert len({c // 16 for c in workspace.group_columns(g)}) == 1
+            assert all(group_of(c) == g for c in workspace.group_columns(g))
+    for n in (1, 63, 64, 65, 1000, 32832):
+        groups = workspace.maxima_cols(n)
+        assert groups % per_step == 0 and max(workspace.group_columns(groups - 1)) >= n - 1
+        assert groups == per_step or max(workspace.group_columns(groups - per_step - 1)) < n
 
 
 @pytest.mark.parametrize("block_size", [1152, 512, 256])
@@ -272,6 +291,105 @@ def test_tc_topk_equals_the_reference(rng, k):
         jnp.asarray(x), jnp.asarray(lengths))))
     np.testing.assert_array_equal(got, np_topk(x, lengths, k))
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x), jnp.asarray(lengths))), got)   # run to run
+
+
+def group_maxima(x):
+    """[rows, n] scores -> [rows, workspace.maxima_cols(n)] u32: the largest order key of the
+    columns of each group (workspace.group_columns), what the logits kernel writes."""
+    rows, n = x.shape
+    groups = workspace.maxima_cols(n)
+    cols = np.array([workspace.group_columns(g) for g in range(groups)])
+    keys = np.zeros((rows, cols.max() + 1), np.uint32)
+    keys[:, :n] = np.asarray(ref.order_key(jnp.asarray(x)))
+    return keys[:, cols].max(axis=2)
+
+
+def group_of(col):
+    s, r = divmod(int(col), workspace.MAXIMA_STEP_POOLS)
+    return s * 8 + (r // 16) * 2 + (r % 8) // 4
+
+
+def _tc_topk_with_maxima(x, lengths, k, mx):
+    from pallas_kernels.triton_lang import topk_rows
+    return np.asarray(jax.jit(lambda a, l, m: topk_rows.topk_pools(a, l, k, m))(
+        jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 512, 2048])
+def test_tc_topk_with_maxima_equals_the_reference(rng, k):
+    """The top-k through the maxima's floor (rows of >= k whole groups) and its fallbacks
+    (plateaus tied at the floor, short rows) give the reference's ids bit for bit; scores
+    past a row's length (here larger than any inside) never count."""
+    _require_triton()
+    g = workspace.MAXIMA_GROUP_POOLS
+    rows, n = 28, g * k * 2 + 13
+    x = adversarial_scores(rng, rows, n)
+    x[8] = np.sort(x[8])                                         # the best in the last, partial group
+    x[9] = np.repeat(rng.standard_normal(-(-n // g)), g)[:n]     # whole groups tied
+    x[10] = np.where(rng.random(n) < 0.02, rng.standard_normal(n), 0.0).astype(np.float32)   # sparse + zeros
+    lengths = rng.integers(0, n + 100, rows).astype(np.int32)
+    lengths[:11] = n
+    lengths[11], lengths[12], lengths[13] = g * k - 1, g * k, g * k + 3      # around the path's threshold
+    lengths[14], lengths[15] = k - 1, 0
+    lengths[16] = n - 40
+    x[16, n - 40:] = 1e38                                        # larger than all, past the length
+    lengths[17] = n - 3
+    kp = workspace.padded_k(k)                                   # the k-th best tied with > KP candidates,
+    x[18] = rng.uniform(0, 0.9, n).astype(np.float32)            # which are in group order, not id order
+    x[18, 102:102 + 2 * kp + 40] = 1.0
+    x[18, n - 50] = 1.5
+    lengths[18] = n
+    mx = group_maxima(x)
+    got = _tc_topk_with_maxima(x, lengths, k, mx)
+    np.testing.assert_array_equal(got, np_topk(x, lengths, k))
+    np.testing.assert_array_equal(_tc_topk_with_maxima(x, lengths, k, mx), got)            # run to run
+
+
+@pytest.mark.gpu
+def test_tc_topk_reads_only_the_groups_above_the_floor(rng):
+    """The maxima decide which scores are read: with the best group's maximum understated
+    the best score is never seen (so the test above runs the floor path, not the fallback)."""
+    _require_triton()
+    k, rows = 64, 6
+    n = workspace.MAXIMA_GROUP_POOLS * k * 3
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    lengths = np.full(rows, n, np.int32)
+    mx = group_maxima(x)
+    best = np.argmax(x, axis=1)
+    assert (_tc_topk_with_maxima(x, lengths, k, mx)[:, 0] == best).all()
+    mx[np.arange(rows), [group_of(b) for b in best]] = 1
+    got = _tc_topk_with_maxima(x, lengths, k, mx)
+    assert all(best[r] not in got[r] for r in range(rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TC_CASES[:3])
+def test_tc_logits_maxima_are_the_group_maxima(rng, case):
+    """paged_logits(maxima=True): entry g is the largest order key of the logits in
+    workspace.group_columns(g), everywhere with fill and where the logits are written
+    without it; the logits are the same as without maxima."""
+    _require_triton()
+    from pallas_kernels.triton_lang import prefill_logits
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=2, n=37, **case)
+    args = (cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
+    plain = np.asarray(jax.jit(prefill_logits.paged_logits, static_argnums=1)(*args))
+    last = np.array([max(workspace.group_columns(g)) for g in range(workspace.maxima_cols(plain.shape[-1]))])
+    inside = last < plain.shape[-1]                              # groups past the columns are never written
+    for fill in (True, False):
+        lg, mx = jax.jit(lambda *a, fill=fill: prefill_logits.paged_logits(*a, fill=fill, maxima=True),
+                         static_argnums=1)(*args)
+        lg, mx = np.asarray(lg), np.asarray(mx)
+        want = group_maxima(lg.reshape(-1, lg.shape[-1])).reshape(mx.shape)
+        if fill:
+            np.testing.assert_array_equal(lg, plain)
+            np.testing.assert_array_equal(mx[..., inside], want[..., inside])
+        else:                                                    # the groups below each row's context
+            for b in range(mx.shape[0]):
+                for i in range(mx.shape[1]):
+                    seen = last < ctx[b, i]
+                    np.testing.assert_array_equal(mx[b, i, seen], want[b, i, seen])
+                    np.testing.assert_array_equal(lg[b, i, :ctx[b, i]], plain[b, i, :ctx[b, i]])
 
 
 def _select(layout, layer, impl, ws=None):

@@ -14,21 +14,49 @@ DEFAULT_WORKSPACE_BYTES = 1 << 30      # the chunk's device workspace unless the
 LOGIT_BYTES = 4                        # f32 per (row, pool column)
 TC_PAGE_ROWS = (16, 32, 64)            # P: G * P = 64 pool rows per MMA step
 TC_HEADS = (32, 64)                    # padded heads: BQ * Hp dot columns
+MAXIMA_GROUP_POOLS = 8                 # logit columns per group maximum the logits kernel writes
+MAXIMA_STEP_POOLS = 64                 # columns of one MMA step of the logits kernel: 8 groups
 
 
 def padded_k(k: int) -> int:
-    """KP: the top-k candidate buffer width, the next power of two >= k."""
+    """KP: the width of the top-k's selected and edge buffers, the next power of two >= k."""
     return 1 << (int(k) - 1).bit_length()
 
 
+def candidate_cap(k: int) -> int:
+    """The top-k's candidate buffer per row, and its list of groups: KP groups of scores.
+    A row whose groups at or above the maxima's floor, or their scores at or above it,
+    are more than that runs the whole-row walk instead."""
+    return MAXIMA_GROUP_POOLS * padded_k(k)
+
+
 def topk_scratch_bytes_per_row(k: int) -> int:
-    """The top-k's private buffers per row: u32 keys and i32 ids of 2 KP candidates."""
-    return 2 * padded_k(k) * 8
+    """The top-k's private buffers per row: u32 keys and i32 ids of 2 KP selected and edge
+    entries plus the candidate buffer, and the i32 ids of up to that many groups."""
+    cap = candidate_cap(k)
+    return (2 * padded_k(k) + cap) * 8 + cap * 4
+
+
+def maxima_cols(n_cols_pools: int) -> int:
+    """Group maxima per row of logits: 8 per MAXIMA_STEP_POOLS columns (rounded up)."""
+    return -(-n_cols_pools // MAXIMA_STEP_POOLS) * (MAXIMA_STEP_POOLS // MAXIMA_GROUP_POOLS)
+
+
+def group_columns(group: int) -> list[int]:
+    """The 8 logit columns of maximum `group`: in step s = group // 8 (columns 64 s ..
+    64 s + 63), group j = group % 8 = 2 w + a holds columns 64 s + 16 w + 4 a + {0, 1,
+    2, 3, 8, 9, 10, 11}: the rows one thread and three lanes of warp w hold in the MMA
+    accumulator, so the kernel takes the maximum with one compare and two shuffles."""
+    s, j = divmod(int(group), MAXIMA_STEP_POOLS // MAXIMA_GROUP_POOLS)
+    base = MAXIMA_STEP_POOLS * s + 16 * (j // 2) + 4 * (j % 2)
+    return [base + h * 8 + i for h in range(2) for i in range(4)]
 
 
 def chunk_row_bytes(n_cols_pools: int, k: int) -> int:
-    """Workspace bytes one query row of one request takes in a chunk."""
-    return n_cols_pools * LOGIT_BYTES + topk_scratch_bytes_per_row(k) + 4 * k
+    """Workspace bytes one query row of one request takes in a chunk: logits, group
+    maxima (u32), top-k buffers and the k ids."""
+    return (n_cols_pools * LOGIT_BYTES + maxima_cols(n_cols_pools) * 4 + topk_scratch_bytes_per_row(k)
+            + 4 * k)
 
 
 def rows_per_chunk(n_rows: int, n_cols_pools: int, k: int, batch: int = 1,

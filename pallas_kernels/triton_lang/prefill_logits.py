@@ -9,7 +9,10 @@ page-table entries of the pages a row can see (``addressing.page_entries``), and
 those pages' 128-byte keys and 4-byte scales. Writes ONLY its output
 [B, n, max_pages * P] f32: with ``fill`` every element (-inf outside a row's
 context); without it only the columns below each program's longest context (the
-top-k that follows reads a row only below its length).
+top-k that follows reads a row only below its length). With ``maxima`` it also
+writes, beside the logits of every step, the largest order key of each group of 8
+of the step's 64 columns (``workspace.group_columns``), from which the Triton
+top-k takes its floor.
 
 Grid: (ceil(n / BQ), ceil(max_pages / PAGES), B). A program holds BQ query rows of
 one request, their BQ * Hp q8 rows resident as the B operand, and walks PAGES
@@ -40,6 +43,7 @@ from ..core import numerics as nm
 from ..core.strides import VIEW_COLS as _VIEW_COLS, CacheStrides
 from ..read import workspace
 from . import _call
+from .order_tl import NEG_INF_KEY, order_key
 
 DOTS = ("f16", "fp8")
 
@@ -70,15 +74,17 @@ def _word_index(row, col, VIEW_COLS: tl.constexpr):
 
 
 @triton.jit
-def paged_logits_kernel(n, n_cols, n_pages,
-                        ctx_ptr, q_ptr, w_ptr, pages_ptr, cache_ptr, out_ptr,
+def paged_logits_kernel(n, n_cols, n_pages, n_groups,
+                        ctx_ptr, q_ptr, w_ptr, pages_ptr, cache_ptr, out_ptr, max_ptr,
                         HP: tl.constexpr, P: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr,
                         PAGES: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr, FILL: tl.constexpr,
-                        KEY_WORDS: tl.constexpr, VIEW_COLS: tl.constexpr):
-    # n, n_cols, n_pages: i32 query rows per request, output columns (n_pages * P), page-table columns
+                        MAXIMA: tl.constexpr, KEY_WORDS: tl.constexpr,
+                        VIEW_COLS: tl.constexpr):
+    # n, n_cols, n_pages, n_groups: i32 query rows per request, output columns (n_pages * P),
+    # page-table columns, group maxima per row (workspace.maxima_cols(n_cols))
     # ctx: [B, n] i32 visible pools; q: [B * n * HP, 128] u8 (e4m3 codes); w: [B * n * HP] f32;
     # pages: [B, n_pages, 4] i32 (addressing.page_entries); cache: [total_words] u32 (read only);
-    # out: [B, n, n_cols] f32
+    # out: [B, n, n_cols] f32; max: [B, n, n_groups] u32 (written with MAXIMA)
     N: tl.constexpr = BQ * HP
     M: tl.constexpr = G * P
     b = tl.program_id(2)
@@ -95,6 +101,9 @@ def paged_logits_kernel(n, n_cols, n_pages,
     g = r // P
     rp = r % P
     out_rows = out_ptr + (brow + rows).to(tl.int64)[None, :] * n_cols     # [1, BQ]
+    MG: tl.constexpr = 8                                           # group maxima per step (M = 64)
+    max_rows = max_ptr + (brow + rows).to(tl.int64)[None, :] * n_groups             # [1, BQ]
+    mg = tl.arange(0, MG)
     if c0 < c1:
         c = tl.arange(0, N)
         qrow = tl.minimum(row0 + c // HP, n - 1)               # rows past n re-read row n - 1, weight 0
@@ -134,6 +143,13 @@ def paged_logits_kernel(n, n_cols, n_pages,
             lg = tl.where((pools[:, None] < ctx[None, :]) & ok[:, None], lg, float("-inf"))
             st = ((col + g) < c1)[:, None] & row_ok[None, :]
             tl.store(out_rows + pools[:, None], lg, mask=st)
+            if MAXIMA:
+                # the largest order key of each group (workspace.group_columns): rows
+                # 16 w + 8 h + 4 a + i of the step (pools col * P + r) are group 2 w + a
+                kk = tl.reshape(order_key(lg), (4, 2, 2, 4, BQ))                          # [w, h, a, i, BQ]
+                gmax = tl.reshape(tl.max(tl.max(kk, axis=3), axis=1), (MG, BQ))           # [2 w + a, BQ]
+                gst = ((col + (mg // 2) * 16 // P) < c1)[:, None] & row_ok[None, :]
+                tl.store(max_rows + ((col * P) // M * MG + mg)[:, None], gmax, mask=gst)
     if FILL:
         # -inf in the program's columns past its rows' longest context
         f0 = tl.maximum(c0, need)
@@ -141,6 +157,12 @@ def paged_logits_kernel(n, n_cols, n_pages,
             pools = (col + g) * P + rp
             st = ((col + g) < tl.minimum(c0 + PAGES, n_pages))[:, None] & row_ok[None, :]
             tl.store(out_rows + pools[:, None], tl.full((M, BQ), float("-inf"), tl.float32), mask=st)
+        if MAXIMA:                                                 # whole steps: their groups' pages >= f0
+            for col in range(c0 + (f0 - c0) // G * G, tl.minimum(c0 + PAGES, n_pages), G):
+                page = col + (mg // 2) * 16 // P
+                gst = ((page >= f0) & (page < tl.minimum(c0 + PAGES, n_pages)))[:, None] & row_ok[None, :]
+                tl.store(max_rows + ((col * P) // M * MG + mg)[:, None],
+                         tl.full((MG, BQ), NEG_INF_KEY, tl.uint32), mask=gst)
 
 
 def check_geometry(s: CacheStrides, hp: int):
@@ -159,23 +181,31 @@ def launch_shape(s: CacheStrides, hp: int, n: int, max_pages: int, tune: Tuning)
                       STAGES=tune.stages, KEY_WORDS=addr.KEY_WORDS, VIEW_COLS=_VIEW_COLS)
 
 
-@functools.partial(jax.jit, static_argnames=("s", "fill", "tune"))
+@functools.partial(jax.jit, static_argnames=("s", "fill", "maxima", "tune"))
 def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, *, fill: bool = True,
-                 tune: Tuning = Tuning()):
+                 maxima: bool = False, tune: Tuning = Tuning()):
     """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32;
     page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
-    Returns [B, n, max_pages * page_rows] f32 (see the module docstring for ``fill``)."""
+    Returns logits [B, n, max_pages * page_rows] f32 (see the module docstring for
+    ``fill``); with ``maxima`` also [B, n, workspace.maxima_cols(n_cols)] u32, entry g
+    the largest ``order_key`` of the logits in ``workspace.group_columns(g)`` (written
+    where the logits are)."""
     b, n, hp, _ = q8.shape
     max_pages = page_table_pages.shape[1]
     check_geometry(s, hp)
     n_cols = addr.pools_in_pages(s, max_pages)
+    n_groups = workspace.maxima_cols(n_cols)
     if b == 0 or n == 0 or max_pages == 0:
-        return jnp.full((b, n, n_cols), -jnp.inf, jnp.float32)
+        lg = jnp.full((b, n, n_cols), -jnp.inf, jnp.float32)
+        return (lg, jnp.full((b, n, n_groups), NEG_INF_KEY.value, jnp.uint32)) if maxima else lg
     grid, consts = launch_shape(s, hp, n, max_pages, tune)
     q_codes = jax.lax.bitcast_convert_type(q8, jnp.uint8).reshape(b * n * hp, nm.HEAD_DIM)
-    return _call.run_read(
-        paged_logits_kernel, (n, n_cols, max_pages),
+    shapes = (jax.ShapeDtypeStruct((b, n, n_cols), jnp.float32),
+              jax.ShapeDtypeStruct((b, n, n_groups) if maxima else (1,), jnp.uint32))
+    lg, mx = _call.run_read(
+        paged_logits_kernel, (n, n_cols, max_pages, n_groups),
         (context_pools.astype(jnp.int32), q_codes, weights.astype(jnp.float32).reshape(-1),
          addr.page_entries(s, page_table_pages.astype(jnp.int32)), cache),
-        jax.ShapeDtypeStruct((b, n, n_cols), jnp.float32), grid=grid + (b,), num_warps=tune.num_warps,
-        num_stages=tune.stages, name="kpool_paged_logits_tc", constexprs=dict(consts, FILL=fill))
+        shapes, grid=grid + (b,), num_warps=tune.num_warps, num_stages=tune.stages, name="kpool_paged_logits_tc",
+        constexprs=dict(consts, FILL=fill, MAXIMA=maxima))
+    return (lg, mx) if maxima else lg

@@ -5,18 +5,34 @@ for the slots a row with fewer than k valid candidates leaves; the same contract
 and the same order key as ``pallas_kernels.topk`` (an exact uint32 image of the f32
 order: -0 == +0, NaN lowest), so the result equals the reference's bit for bit.
 
-Reads ONLY its row of scores below the row's length; writes ONLY its row of the
-output and of its private candidate buffers (outputs of the call).
+Reads ONLY its row of scores below the row's length (and of its group maxima);
+writes ONLY its row of the output and of its private buffers (outputs of the call).
 
 One program per row, rows taken longest first (``reverse``: prefill chunks hold
-rows in causal order). The program walks its row four times, the later walks
-mostly from L2:
-  1. the row's key range [kmin, kmax];
+rows in causal order).
+
+With group maxima (the largest order key of each group of 8 columns, written by
+the logits kernel) and a row of at least k whole groups, the program
+first finds a floor: a key that at least k of the row's whole-group maxima reach,
+so at least k scores reach it and every one of the k best does. Two histograms of
+the maxima (the binned search below, over the maxima) place the k-th best
+maximum; the floor is the least maximum at or above its sub-bin. The groups whose
+maximum reaches the floor (about k of them) are listed, and only their scores are
+read: those >= the floor go to the candidate buffer in group order (a group's 8
+columns, ``workspace.group_columns``, are two runs of 4). The selection below then
+runs over the candidates instead of the row. A row without maxima, shorter than k
+groups, whose listed groups or candidates overflow their buffers (maxima tied at
+the floor: a plateau), or whose k-th best ties with more than KP candidates (ties
+go to the lowest ids, and the row holds them in id order) runs it over the whole row.
+
+The selection over a source (the row, or the candidate buffer) walks it four
+times, the later walks mostly from L2:
+  1. the source's key range [kmin, kmax];
   2. a histogram of NB monotone bins of that range (``_bin``: the key's offset
      scaled to [0, NB), an order-preserving map), which finds the bin holding the
      k-th best key;
   3. a histogram of NB sub-bins of that bin (the bin's fractional part, scaled);
-  4. the ids of every key in a higher (bin, sub-bin) to the front of the candidate
+  4. the ids of every key in a higher (bin, sub-bin) to the front of the selected
      buffer, in id order, and the first KP of the edge sub-bin's ids beside them.
 The edge sub-bin's best `need` come from one sort of its <= SMALL (or <= KP)
 candidates; when the edge holds more than KP distinct keys (many distinct keys
@@ -35,18 +51,20 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from ..read import workspace
 from ..read.workspace import padded_k
 from . import _call
+from .order_tl import order_key
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Launch shape: BLOCK scores per step of a walk, warps per program, NB bins per
-    level, SMALL the edge size sorted in the short form. Defaults: the fastest shape of
-    ``benchmarks/bench_read.py --prefill-tc`` on the H200 (docs/benchmarks.md)."""
-    block: int = 1024
+    level, SMALL the edge size sorted in the short form. Defaults: the fastest shape with
+    maxima on the H200 (docs/benchmarks.md)."""
+    block: int = 512
     num_warps: int = 4
-    bins: int = 64
+    bins: int = 32
     small: int = 128
     reverse: bool = True
 
@@ -54,15 +72,6 @@ class Tuning:
         pow2 = lambda v: isinstance(v, int) and v >= 16 and not v & (v - 1)   # noqa: E731
         if not (pow2(self.block) and self.num_warps in (1, 2, 4, 8, 16) and pow2(self.bins) and pow2(self.small)):
             raise ValueError(f"bad triton top-k tuning {self}")
-
-
-@triton.jit
-def order_key(x):
-    """f32 -> u32 with the f32 order (-0 == +0 -> 0x80000000, NaN -> 1, never 0)."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = tl.where(x == 0.0, 0, u)
-    key = tl.where((u >> 31) != 0, ~u, u | 0x80000000)
-    return tl.where(x != x, 1, key)
 
 
 @triton.jit
@@ -75,67 +84,173 @@ def _bin(key, kmin, scale, NB: tl.constexpr):
 
 
 @triton.jit
-def _tile(base, t, n, kmin, scale, BLOCK: tl.constexpr, NB: tl.constexpr):
-    """Scores t .. t + BLOCK - 1 of a walk: (ids [BLOCK], in-row mask, keys, bin, sub-bin)."""
+def _source(base, bkey, bid, from_buf, t, n, BLOCK: tl.constexpr):
+    """Entries t .. t + BLOCK - 1 of a source: (ids [BLOCK], in-source mask, keys). The
+    source is the row of scores (ids = columns) or, with ``from_buf``, the candidate
+    buffer's keys and ids."""
     offs = t + tl.arange(0, BLOCK)
     m = offs < n
-    key = order_key(tl.load(base + offs, mask=m, other=0.0))
-    b1, fr = _bin(key, kmin, scale, NB)
-    b2 = tl.minimum((fr * NB).to(tl.int32), NB - 1)
-    return offs, m, key, b1, b2
+    if from_buf:
+        key = tl.load(bkey + offs, mask=m, other=0)
+        ids = tl.load(bid + offs, mask=m, other=0)
+    else:
+        key = order_key(tl.load(base + offs, mask=m, other=0.0))
+        ids = offs
+    return ids, m, key
 
 
 @triton.jit
-def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_ptr, out_ptr,
-                K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-                SMALL: tl.constexpr, REVERSE: tl.constexpr):
-    # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; cand_key / cand_id: [n_rows, 2 * KP]
-    # u32 / i32 scratch (each row its own: [0, KP) the answer, [KP, 2 KP) the edge bin);
-    # out: [n_rows, K] i32
+def _tile(base, bkey, bid, from_buf, t, n, kmin, scale, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """_source's entries with their bin and sub-bin."""
+    ids, m, key = _source(base, bkey, bid, from_buf, t, n, BLOCK)
+    b1, fr = _bin(key, kmin, scale, NB)
+    b2 = tl.minimum((fr * NB).to(tl.int32), NB - 1)
+    return ids, m, key, b1, b2
+
+
+@triton.jit
+def _key_range(base, bkey, bid, from_buf, n, BLOCK: tl.constexpr):
+    kmin = tl.full((), 0xFFFFFFFF, tl.uint32)
+    kmax = tl.full((), 0, tl.uint32)
+    for t in range(0, n, BLOCK):
+        ids, m, key = _source(base, bkey, bid, from_buf, t, n, BLOCK)
+        kmin = tl.minimum(kmin, tl.min(tl.where(m, key, 0xFFFFFFFF), axis=0))
+        kmax = tl.maximum(kmax, tl.max(tl.where(m, key, 0), axis=0))
+    return tl.minimum(kmin, kmax), kmax
+
+
+@triton.jit
+def _edge_bin(base, bkey, bid, from_buf, n, take, kmin, scale, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """The (bin, sub-bin) (c1, c2) holding the take-th best key of a source, the count of
+    keys in higher ones and the count in it."""
+    bins = tl.arange(0, NB)
+    hist = tl.zeros((NB,), tl.int32)
+    for t in range(0, n, BLOCK):
+        ids, m, key, b1, _ = _tile(base, bkey, bid, from_buf, t, n, kmin, scale, BLOCK, NB)
+        hist += tl.histogram(b1, NB, mask=m)
+    ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    c1 = tl.max(tl.where(ge >= take, bins, 0), axis=0)
+    above1 = tl.sum(tl.where(bins > c1, hist, 0), axis=0)
+    hist = tl.zeros((NB,), tl.int32)
+    for t in range(0, n, BLOCK):
+        ids, m, key, b1, b2 = _tile(base, bkey, bid, from_buf, t, n, kmin, scale, BLOCK, NB)
+        hist += tl.histogram(b2, NB, mask=m & (b1 == c1))
+    ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    c2 = tl.max(tl.where(ge >= take - above1, bins, 0), axis=0)
+    above = above1 + tl.sum(tl.where(bins > c2, hist, 0), axis=0)
+    edge = tl.sum(tl.where(bins == c2, hist, 0), axis=0)
+    return c1, c2, above, edge
+
+
+@triton.jit
+def _group_columns(gid, GROUP: tl.constexpr, STEP: tl.constexpr):
+    """[BG] group ids -> [BG, GROUP] their logit columns (workspace.group_columns)."""
+    NS: tl.constexpr = STEP // GROUP
+    lane = tl.arange(0, GROUP)
+    base = (gid // NS) * STEP + ((gid % NS) // 2) * 16 + (gid % 2) * 4
+    return base[:, None] + ((lane // 4) * 8 + lane % 4)[None, :]
+
+
+@triton.jit
+def _maxima_floor(mrow, ng, take, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """A key that at least `take` of the ng maxima at mrow reach (ng >= take): the least
+    maximum in or above the sub-bin of the take-th best."""
+    as_f32 = mrow.to(tl.pointer_type(tl.float32))            # (the row form of the source, not taken)
+    as_i32 = mrow.to(tl.pointer_type(tl.int32))
+    kmin, kmax = _key_range(as_f32, mrow, as_i32, True, ng, BLOCK)
+    scale = NB / ((kmax - kmin).to(tl.float32) + 1.0)
+    c1, c2, _, _ = _edge_bin(as_f32, mrow, as_i32, True, ng, take, kmin, scale, BLOCK, NB)
+    floor = tl.full((), 0xFFFFFFFF, tl.uint32)
+    for t in range(0, ng, BLOCK):
+        ids, m, key, b1, b2 = _tile(as_f32, mrow, as_i32, True, t, ng, kmin, scale, BLOCK, NB)
+        up = m & ((b1 > c1) | ((b1 == c1) & (b2 >= c2)))
+        floor = tl.minimum(floor, tl.min(tl.where(up, key, 0xFFFFFFFF), axis=0))
+    return floor
+
+
+@triton.jit
+def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr,
+                sel_key_ptr, sel_id_ptr, group_ptr, out_ptr,
+                K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr, GROUP: tl.constexpr,
+                STEP: tl.constexpr,
+                MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL: tl.constexpr,
+                REVERSE: tl.constexpr):
+    # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; maxima: [n_rows, n_groups] u32 (the
+    # order key's maximum of columns [g * GROUP, (g + 1) * GROUP); read only with MAXIMA);
+    # sel_key / sel_id: [n_rows, SEL_W] u32 / i32 scratch (each row its own: [0, KP) the answer,
+    # [KP, 2 KP) the edge bin, with MAXIMA [2 KP, 2 KP + CAP) the candidates); group: [n_rows, CAP]
+    # i32 scratch with MAXIMA (the listed groups); out: [n_rows, K] i32
     pid = tl.program_id(0)
     row = (n_rows - 1 - pid) if REVERSE else pid
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
     base = logits_ptr + row.to(tl.int64) * n_cols
     take = tl.minimum(n, K)
-    ck = cand_key_ptr + row.to(tl.int64) * (2 * KP)
-    ci = cand_id_ptr + row.to(tl.int64) * (2 * KP)
-    # walk 1: the key range
-    kmin = tl.full((), 0xFFFFFFFF, tl.uint32)
-    kmax = tl.full((), 0, tl.uint32)
-    for t in range(0, n, BLOCK):
-        offs = t + tl.arange(0, BLOCK)
-        m = offs < n
-        key = order_key(tl.load(base + offs, mask=m, other=0.0))
-        kmin = tl.minimum(kmin, tl.min(tl.where(m, key, 0xFFFFFFFF), axis=0))
-        kmax = tl.maximum(kmax, tl.max(tl.where(m, key, 0), axis=0))
-    scale = NB / ((kmax - tl.minimum(kmin, kmax)).to(tl.float32) + 1.0)
-    bins = tl.arange(0, NB)
-    # walk 2: histogram of the level-1 bins
-    hist = tl.zeros((NB,), tl.int32)
-    for t in range(0, n, BLOCK):
-        offs, m, key, b1, _ = _tile(base, t, n, kmin, scale, BLOCK, NB)
-        hist += tl.histogram(b1, NB, mask=m)
-    ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-    c1 = tl.max(tl.where(ge >= take, bins, 0), axis=0)
-    above1 = tl.sum(tl.where(bins > c1, hist, 0), axis=0)
-    # walk 3: histogram of the level-2 bins inside bin c1
-    hist = tl.zeros((NB,), tl.int32)
-    for t in range(0, n, BLOCK):
-        offs, m, key, b1, b2 = _tile(base, t, n, kmin, scale, BLOCK, NB)
-        hist += tl.histogram(b2, NB, mask=m & (b1 == c1))
-    ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-    need1 = take - above1
-    c2 = tl.max(tl.where(ge >= need1, bins, 0), axis=0)
-    above = above1 + tl.sum(tl.where(bins > c2, hist, 0), axis=0)     # surely selected
-    edge = tl.sum(tl.where(bins == c2, hist, 0), axis=0)              # the bin of the k-th best
+    ck = sel_key_ptr + row.to(tl.int64) * SEL_W
+    ci = sel_id_ptr + row.to(tl.int64) * SEL_W
+    bkey = ck + 2 * KP
+    bid = ci + 2 * KP
+    src_n = n
+    from_buf = n < 0                                  # a runtime False
+    if MAXIMA:
+        ng = tl.minimum(n // STEP * (STEP // GROUP), n_groups)    # the groups of whole steps below n
+        if ng >= K:
+            mrow = maxima_ptr + row.to(tl.int64) * n_groups
+            floor = _maxima_floor(mrow, ng, K, BLOCK, NB)
+            # the groups whose maximum reaches the floor, in id order
+            grow = group_ptr + row.to(tl.int64) * CAP
+            n_listed = n * 0
+            for t in range(0, ng, BLOCK):
+                offs = t + tl.arange(0, BLOCK)
+                m = offs < ng
+                up = m & (tl.load(mrow + offs, mask=m, other=0) >= floor)
+                pos = n_listed + tl.cumsum(up.to(tl.int32), axis=0) - 1
+                tl.store(grow + pos, offs, mask=up & (pos < CAP))
+                n_listed += tl.sum(up.to(tl.int32), axis=0)
+            tl.debug_barrier()
+            if n_listed <= CAP:
+                # their scores >= the floor, then those of the partial step past the whole ones
+                BG: tl.constexpr = BLOCK // GROUP
+                NS: tl.constexpr = STEP // GROUP
+                gj = tl.arange(0, BG)
+                n_cand = n * 0
+                for t in range(0, n_listed + NS, BG):
+                    live = (t + gj) < n_listed
+                    gid = tl.where(live, tl.load(grow + t + gj, mask=live, other=0), ng + (t + gj - n_listed))
+                    gid = tl.where((t + gj) < n_listed + NS, gid, -1)
+                    offs = tl.reshape(_group_columns(gid, GROUP, STEP), (BLOCK,))
+                    m = tl.reshape(tl.broadcast_to((gid >= 0)[:, None], (BG, GROUP)), (BLOCK,)) & (offs < n)
+                    key = order_key(tl.load(base + offs, mask=m, other=0.0))
+                    up = m & (key >= floor)
+                    pos = n_cand + tl.cumsum(up.to(tl.int32), axis=0) - 1
+                    st = up & (pos < CAP)
+                    tl.store(bkey + pos, key, mask=st)
+                    tl.store(bid + pos, offs, mask=st)
+                    n_cand += tl.sum(up.to(tl.int32), axis=0)
+                if (n_cand <= CAP) & (n_cand >= K):        # (>= K: maxima that overstate fall back)
+                    src_n = n_cand
+                    from_buf = n >= 0                 # a runtime True
+            tl.debug_barrier()
+    # the selection over the source: the candidates or the whole row
+    kmin, kmax = _key_range(base, bkey, bid, from_buf, src_n, BLOCK)
+    scale = NB / ((kmax - kmin).to(tl.float32) + 1.0)
+    c1, c2, above, edge = _edge_bin(base, bkey, bid, from_buf, src_n, take, kmin, scale, BLOCK, NB)
+    if from_buf:
+        if edge > KP:
+            # ties past the edge buffer go to the lowest ids, which the row holds in id order
+            # (the candidates are in group order)
+            from_buf = n < 0
+            src_n = n
+            kmin, kmax = _key_range(base, bkey, bid, from_buf, src_n, BLOCK)
+            scale = NB / ((kmax - kmin).to(tl.float32) + 1.0)
+            c1, c2, above, edge = _edge_bin(base, bkey, bid, from_buf, src_n, take, kmin, scale, BLOCK, NB)
     need = take - above                                               # taken from the edge bin
     # walk 4: the sure ones to [0, above) in id order, the first KP of the edge bin to [KP, 2 KP)
     cnt_s = n * 0
     cnt_e = n * 0
     emin = tl.full((), 0xFFFFFFFF, tl.uint32)
     emax = tl.full((), 0, tl.uint32)
-    for t in range(0, n, BLOCK):
-        offs, m, key, b1, b2 = _tile(base, t, n, kmin, scale, BLOCK, NB)
+    for t in range(0, src_n, BLOCK):
+        ids, m, key, b1, b2 = _tile(base, bkey, bid, from_buf, t, src_n, kmin, scale, BLOCK, NB)
         sure = m & ((b1 > c1) | ((b1 == c1) & (b2 > c2)))
         onedge = m & (b1 == c1) & (b2 == c2)
         ps = cnt_s + tl.cumsum(sure.to(tl.int32), axis=0) - 1
@@ -144,7 +259,7 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
         pos = tl.where(sure, ps, KP + pe)
         sel = sure | keep_e
         tl.store(ck + pos, key, mask=sel)
-        tl.store(ci + pos, offs, mask=sel)
+        tl.store(ci + pos, ids, mask=sel)
         cnt_s += tl.sum(sure.to(tl.int32), axis=0)
         cnt_e += tl.sum(onedge.to(tl.int32), axis=0)
         emin = tl.minimum(emin, tl.min(tl.where(onedge, key, 0xFFFFFFFF), axis=0))
@@ -169,7 +284,7 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
         tl.store(ck + above + j, (v >> 32).to(tl.uint32), mask=j < need)
         tl.store(ci + above + j, (~v.to(tl.uint32)).to(tl.int32), mask=j < need)
     else:
-        # exact k-th key of the edge bin by radix digits over the row (keys are in bin c1, c2)
+        # exact k-th key of the edge bin by radix digits over the source (keys in bin c1, c2)
         prefix = (n * 0).to(tl.uint32)
         pmask = (n * 0).to(tl.uint32)
         rem = need
@@ -177,8 +292,8 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
         for p in tl.static_range(4):
             shift = (24 - 8 * p)
             h = tl.zeros((256,), tl.int32)
-            for t in range(0, n, BLOCK):
-                offs, m, key, b1, b2 = _tile(base, t, n, kmin, scale, BLOCK, NB)
+            for t in range(0, src_n, BLOCK):
+                ids, m, key, b1, b2 = _tile(base, bkey, bid, from_buf, t, src_n, kmin, scale, BLOCK, NB)
                 mm = m & (b1 == c1) & (b2 == c2) & ((key & pmask) == prefix)
                 h += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=mm)
             g2 = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
@@ -190,8 +305,8 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
         n_gt = need - rem
         cg = n * 0
         cq = n * 0
-        for t in range(0, n, BLOCK):
-            offs, m, key, b1, b2 = _tile(base, t, n, kmin, scale, BLOCK, NB)
+        for t in range(0, src_n, BLOCK):
+            ids, m, key, b1, b2 = _tile(base, bkey, bid, from_buf, t, src_n, kmin, scale, BLOCK, NB)
             e = m & (b1 == c1) & (b2 == c2)
             gt = e & (key > prefix)
             eq = e & (key == prefix)
@@ -200,7 +315,7 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
             pos = above + tl.where(gt, pg, n_gt + pq)
             sel = gt | (eq & (pq < rem))
             tl.store(ck + pos, key, mask=sel)
-            tl.store(ci + pos, offs, mask=sel)
+            tl.store(ci + pos, ids, mask=sel)
             cg += tl.sum(gt.to(tl.int32), axis=0)
             cq += tl.sum(eq.to(tl.int32), axis=0)
     tl.debug_barrier()
@@ -213,23 +328,39 @@ def topk_kernel(n_rows, n_cols, logits_ptr, lengths_ptr, cand_key_ptr, cand_id_p
     tl.store(out_ptr + row.to(tl.int64) * K + i, ids, mask=i < K)
 
 
+WHOLE_ROW = Tuning(block=1024, bins=64)      # without maxima: every walk covers the whole row
 
 
 @functools.partial(jax.jit, static_argnames=("k", "tune"))
-def topk_pools(logits, lengths, k: int, *, tune: Tuning = Tuning()):
-    """logits: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid).
-    Returns [rows, k] i32: descending score, ties by ascending id, -1 padded."""
+def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = None):
+    """logits: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid); maxima:
+    None or [rows, workspace.maxima_cols(n)] u32, entry g the largest ``order_key`` of
+    columns [g * MAXIMA_GROUP_POOLS, (g + 1) * MAXIMA_GROUP_POOLS) (``prefill_logits``
+    writes them). Returns [rows, k] i32: descending score, ties by ascending id, -1 padded.
+    ``tune`` None: Tuning() with maxima, WHOLE_ROW without (docs/benchmarks.md)."""
     rows, n = logits.shape
     kp = padded_k(k)
+    cap = workspace.candidate_cap(k)
     if rows == 0:
         return jnp.zeros((0, k), jnp.int32)
     if n == 0:
         return jnp.full((rows, k), -1, jnp.int32)
+    n_groups = workspace.maxima_cols(n)
+    if tune is None:
+        tune = WHOLE_ROW if maxima is None else Tuning()
+    if maxima is None:
+        maxima_in, sel_w, groups = jnp.zeros((1,), jnp.uint32), 2 * kp, 1
+    else:
+        if maxima.shape != (rows, n_groups) or maxima.dtype != jnp.uint32:
+            raise ValueError(f"maxima must be [{rows}, {n_groups}] uint32, got {maxima.shape} {maxima.dtype}")
+        maxima_in, sel_w, groups = maxima, 2 * kp + cap, rows * cap
     out = _call.run_read(
-        topk_kernel, (rows, n), (logits, lengths.astype(jnp.int32)),
-        (jax.ShapeDtypeStruct((rows, 2 * kp), jnp.uint32), jax.ShapeDtypeStruct((rows, 2 * kp), jnp.int32),
-         jax.ShapeDtypeStruct((rows, k), jnp.int32)),
+        topk_kernel, (rows, n, n_groups), (logits, lengths.astype(jnp.int32), maxima_in),
+        (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
+         jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows, k), jnp.int32)),
         grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
-        constexprs=dict(K=k, KP=kp, BLOCK=tune.block, NB=tune.bins, SMALL=min(tune.small, kp),
+        constexprs=dict(K=k, KP=kp, CAP=cap, SEL_W=sel_w, GROUP=workspace.MAXIMA_GROUP_POOLS,
+                        STEP=workspace.MAXIMA_STEP_POOLS,
+                        MAXIMA=maxima is not None, BLOCK=tune.block, NB=tune.bins, SMALL=min(tune.small, kp),
                         REVERSE=tune.reverse))
-    return out[2]
+    return out[3]
