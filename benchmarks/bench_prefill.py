@@ -6,7 +6,10 @@
     matmul rate XLA reaches in the same run (an 8192^3 jnp.dot);
   * the Triton path split into its logits and its top-k (the logits alone: the same
     chunks with the top-k left out);
-  * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once.
+  * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once;
+  * with --shapes, the longest chunk of each prefill: the logits kernel with and
+    without its group maxima, and the row top-k through the maxima's floor in several
+    launch shapes against the whole-row walk, on the same logits (ids checked equal).
 
 FLOPs count 2 * 32 heads * 128 * (visible (row, pool) pairs). GPU:
     PYTHONPATH=$PWD python3 benchmarks/bench_prefill.py [--prefills 32768 131072 524288]
@@ -94,6 +97,44 @@ def bench_prefill(cfg, tokens, impls, mm, quick):
     return rows
 
 
+SHAPES = ((512, 32), (1024, 32), (1024, 64), (512, 64), (256, 32))   # (scores per step, bins)
+
+
+def bench_shapes(cfg, tokens):
+    """The Triton path's longest chunk of a prefill of `tokens`: ms of the logits kernel
+    with and without maxima, and of the top-k with the maxima's floor per SHAPES entry
+    and over whole rows (the WHOLE_ROW shape); every top-k's ids equal."""
+    from pallas_kernels.triton_lang import prefill_logits as tcl
+    from pallas_kernels.triton_lang import topk_rows as tct
+    layout, cache, table, key, heads = read_case(cfg, 1, tokens)
+    s = layout.strides(0)
+    q8, w = queries(key, 1, tokens, heads)
+    k = cfg.topk_pools
+    rows = min(tokens, workspace.rows_per_chunk(tokens, addr.pools_in_pages(s, table.shape[1]), k))
+    q, ww = q8[:, -rows:], w[:, -rows:]
+    ctx = ((jnp.arange(tokens - rows, tokens, dtype=jnp.int32) + 1) // cfg.kpool)[None, :]
+    case = f"{tokens // 1024}k, {rows} rows"
+    out = []
+    for name, mx in (("logits + maxima", True), ("logits", False)):
+        f = jax.jit(lambda c, q_, w_, cx, mx=mx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=mx))
+        out.append(dict(kind="shapes", case=case, impl=name, ms=wall(f, cache, q, ww, ctx, trials=5) * 1e3))
+    lg, mx = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True))(
+        cache, q, ww, ctx)
+    lg, mx, lens = lg.reshape(rows, -1), mx.reshape(rows, -1), ctx.reshape(-1)
+    whole = jax.jit(lambda a, l: tct.topk_pools(a, l, k))
+    want = np.asarray(whole(lg, lens))
+    out.append(dict(kind="shapes", case=case, impl=f"top-k, whole rows {tct.WHOLE_ROW.block}/{tct.WHOLE_ROW.bins}",
+                    ms=wall(whole, lg, lens, trials=5) * 1e3))
+    for block, bins in SHAPES:
+        tune = tct.Tuning(block=block, bins=bins)
+        f = jax.jit(lambda a, l, m, tune=tune: tct.topk_pools(a, l, k, m, tune=tune))
+        if not np.array_equal(np.asarray(f(lg, lens, mx)), want):
+            raise AssertionError(f"top-k with maxima {tune} differs from the whole-row walk")
+        out.append(dict(kind="shapes", case=case, impl=f"top-k, floor {block}/{bins}",
+                        ms=wall(f, lg, lens, mx, trials=5) * 1e3))
+    return out
+
+
 def bench_topk(rows_, n, k, impls, reps, trials):
     x = jax.random.normal(jax.random.PRNGKey(7), (rows_, n), jnp.float32)
     lengths = jnp.full((rows_,), n, jnp.int32)
@@ -112,6 +153,7 @@ def main(argv=None):
     ap.add_argument("--prefills", type=int, nargs="+", default=[32768, 131072, 524288])
     ap.add_argument("--impls", default="triton,pallas,xla")
     ap.add_argument("--skip-topk", action="store_true")
+    ap.add_argument("--shapes", action="store_true", help="the Triton chunk's logits and top-k shapes")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, pallas and xla")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -126,6 +168,9 @@ def main(argv=None):
     out = []
     for tokens in prefills:
         out += bench_prefill(cfg, tokens, impls, mm, a.quick)
+    if a.shapes and not a.quick:
+        for tokens in prefills:
+            out += bench_shapes(cfg, tokens)
     if not a.skip_topk:
         for k in (512, 2048):
             out += bench_topk(4 if a.quick else 64, 8192 if a.quick else 131072, k, impls,
