@@ -325,7 +325,7 @@ def test_tc_topk_with_maxima_equals_the_reference(rng, k):
     g = workspace.MAXIMA_GROUP_POOLS
     rows, n = 28, g * k * 2 + 13
     x = adversarial_scores(rng, rows, n)
-    x[8] = np.sort(x[8])                                         # the best in the last, partial group
+    x[8] = np.sort(x[8])                                         # increasing: too many candidates, whole row
     x[9] = np.repeat(rng.standard_normal(-(-n // g)), g)[:n]     # whole groups tied
     x[10] = np.where(rng.random(n) < 0.02, rng.standard_normal(n), 0.0).astype(np.float32)   # sparse + zeros
     lengths = rng.integers(0, n + 100, rows).astype(np.int32)

@@ -24,9 +24,9 @@ def padded_k(k: int) -> int:
 
 
 def candidate_cap(k: int) -> int:
-    """The top-k's candidate buffer per row, and its list of groups: KP groups of scores.
-    A row whose groups at or above the maxima's floor, or their scores at or above it,
-    are more than that runs the whole-row walk instead."""
+    """CAP: the entries of the top-k's candidate buffer per row (the scores of KP groups)
+    and of its list of group ids. A row with more groups, or more scores, at or above
+    the maxima's floor runs the whole-row walk instead."""
     return MAXIMA_GROUP_POOLS * padded_k(k)
 
 
@@ -46,7 +46,8 @@ def group_columns(group: int) -> list[int]:
     """The 8 logit columns of maximum `group`: in step s = group // 8 (columns 64 s ..
     64 s + 63), group j = group % 8 = 2 w + a holds columns 64 s + 16 w + 4 a + {0, 1,
     2, 3, 8, 9, 10, 11}: the rows one thread and three lanes of warp w hold in the MMA
-    accumulator, so the kernel takes the maximum with one compare and two shuffles."""
+    accumulator (one register pair, lane bits 2-4), so the maximum needs one compare in
+    registers and two shuffle levels."""
     s, j = divmod(int(group), MAXIMA_STEP_POOLS // MAXIMA_GROUP_POOLS)
     base = MAXIMA_STEP_POOLS * s + 16 * (j // 2) + 4 * (j % 2)
     return [base + h * 8 + i for h in range(2) for i in range(4)]

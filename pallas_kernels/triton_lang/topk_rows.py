@@ -22,8 +22,10 @@ read: those >= the floor go to the candidate buffer in group order (a group's 8
 columns, ``workspace.group_columns``, are two runs of 4). The selection below then
 runs over the candidates instead of the row. A row without maxima, shorter than k
 groups, whose listed groups or candidates overflow their buffers (maxima tied at
-the floor: a plateau), or whose k-th best ties with more than KP candidates (ties
-go to the lowest ids, and the row holds them in id order) runs it over the whole row.
+the floor: a plateau), with fewer than k candidates (maxima above their columns'),
+or whose edge sub-bin among the candidates holds more than KP of them (the edge's
+ties then go to the lowest ids, which the row holds in id order) runs it over the
+whole row.
 
 The selection over a source (the row, or the candidate buffer) walks it four
 times, the later walks mostly from L2:
@@ -176,7 +178,7 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr,
                 MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL: tl.constexpr,
                 REVERSE: tl.constexpr):
     # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; maxima: [n_rows, n_groups] u32 (the
-    # order key's maximum of columns [g * GROUP, (g + 1) * GROUP); read only with MAXIMA);
+    # order key's maximum of the columns workspace.group_columns(g); read only with MAXIMA);
     # sel_key / sel_id: [n_rows, SEL_W] u32 / i32 scratch (each row its own: [0, KP) the answer,
     # [KP, 2 KP) the edge bin, with MAXIMA [2 KP, 2 KP + CAP) the candidates); group: [n_rows, CAP]
     # i32 scratch with MAXIMA (the listed groups); out: [n_rows, K] i32
@@ -335,8 +337,10 @@ WHOLE_ROW = Tuning(block=1024, bins=64)      # without maxima: every walk covers
 def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = None):
     """logits: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid); maxima:
     None or [rows, workspace.maxima_cols(n)] u32, entry g the largest ``order_key`` of
-    columns [g * MAXIMA_GROUP_POOLS, (g + 1) * MAXIMA_GROUP_POOLS) (``prefill_logits``
-    writes them). Returns [rows, k] i32: descending score, ties by ascending id, -1 padded.
+    the columns ``workspace.group_columns(g)`` (two runs of 4, not 8 consecutive
+    columns; ``prefill_logits`` writes them). An entry below its columns' maximum makes
+    the result wrong; entries above it only cost time. Returns [rows, k] i32:
+    descending score, ties by ascending id, -1 padded.
     ``tune`` None: Tuning() with maxima, WHOLE_ROW without (docs/benchmarks.md)."""
     rows, n = logits.shape
     kp = padded_k(k)
