@@ -633,6 +633,12 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     there), fused for prefill chunks of FUSED_MIN_ROWS rows or more (faster at 32k
     tokens; at 128k the unfused path is 1.2x faster but writes and re-reads the
     logits, see ``default_read_path``; docs/benchmarks.md).
+
+    implementation="triton": the tensor-core logits kernel, then the Triton top-k: one
+    program per row for prefill chunks (TC_MIN_ROWS or more query rows per request,
+    the default there on a GPU), the split top-k (many programs per row, then one
+    selecting) for decode rows. Both hold at most ``workspace_bytes`` (default 1 GiB)
+    of logits and top-k buffers at a time.
     """
     op = "select_tokens"
     q8, weights, (b, n, hp) = _check_read_inputs(op, cache, layout, q8, weights, page_table_pages,
@@ -718,12 +724,16 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     def pool_ids(ctx, k):
         n_cols = addr.pools_in_pages(s, page_table_pages.shape[1])
         chunk = _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes)
+        split = n < TC_MIN_ROWS
+        mp = _workspace.split_maxima_pools(n_cols) if split else _workspace.MAXIMA_GROUP_POOLS
 
         def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids
             bb, cn = cx.shape
-            lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True)
-            return tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
-                                      mx.reshape(bb * cn, -1)).reshape(bb, cn, k)
+            lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True,
+                                            maxima_pools=mp, tune=tc_logits.DECODE if split else tc_logits.Tuning())
+            lg, mx, cx = lg.reshape(bb * cn, -1), mx.reshape(bb * cn, -1), cx.reshape(-1)
+            ids = (tc_topk.topk_pools_split(lg, cx, k, mx, mp) if split else tc_topk.topk_pools(lg, cx, k, mx))
+            return ids.reshape(bb, cn, k)
 
         return ref.map_query_rows(rows, chunk, q8, weights, ctx)
 

@@ -140,6 +140,43 @@ def test_maxima_groups_partition_each_step():
         assert groups == per_step or max(workspace.group_columns(groups - per_step - 1)) < n
 
 
+def test_split_planning_covers_each_row_and_fills_the_gpu(rng):
+    """The split top-k's spans cover every column once, in whole tiles, with about
+    SPLIT_PROGRAMS programs where the rows are long enough; the logits' pages per program
+    shrink only while the grid is short of MIN_PROGRAMS; the floor's maxima stay within
+    FLOOR_MAXIMA up to 512k pools."""
+    mp, sp = workspace.MIN_PROGRAMS, workspace.SPLIT_PROGRAMS
+    for _ in range(300):
+        rows = int(rng.integers(1, 300))
+        n = int(rng.integers(0, 1 << 19))
+        block = int(rng.choice([256, 512, 1024]))
+        spans, span = workspace.split_spans(rows, n, block)
+        assert span % block == 0 and spans >= 1
+        assert spans * span >= n and (spans - 1) * span < max(n, 1)
+        blocks = max(1, -(-n // block))
+        assert 2 * spans >= min(-(-sp // rows), blocks)           # spans rounded to whole tiles
+        assert spans <= -(-sp // rows)
+        if rows >= sp:
+            assert spans == 1
+        g = int(rng.choice([1, 2, 4]))
+        max_pages = int(rng.integers(1, 1 << 14))
+        other = int(rng.integers(1, 2000))
+        pages = workspace.logits_pages_per_program(max_pages, other, g, 64)
+        assert g <= pages <= 64 and pages & (pages - 1) == 0
+        programs = other * -(-max_pages // pages)
+        if pages > g:
+            assert programs >= mp                                # halved only while short of programs
+        if pages < 64:
+            assert other * -(-max_pages // (2 * pages)) < mp
+    for n in (1, 4096, 32832, 65536, 65537, 524288):
+        p = workspace.split_maxima_pools(n)
+        assert workspace.maxima_cols(n, p) <= workspace.FLOOR_MAXIMA
+        assert p == workspace.MAXIMA_GROUP_POOLS or workspace.maxima_cols(n) > workspace.FLOOR_MAXIMA
+    assert workspace.maxima_cols(130, 64) == 3 and workspace.maxima_cols(130, 8) == 24
+    with pytest.raises(ValueError, match="8 or 64"):
+        workspace.maxima_cols(130, 16)
+
+
 @pytest.mark.parametrize("block_size", [1152, 512, 256])
 def test_page_entries_address_every_row_of_a_page(rng, block_size):
     """The kernel reads row r of a page at (entry's first key word + r * KEY_WORDS) and
@@ -346,6 +383,93 @@ def test_tc_topk_with_maxima_equals_the_reference(rng, k):
     np.testing.assert_array_equal(_tc_topk_with_maxima(x, lengths, k, mx), got)            # run to run
 
 
+def step_maxima(x):
+    """[rows, n] scores -> [rows, maxima_cols(n, 64)] u32: the largest order key of each
+    64-column step."""
+    rows, n = x.shape
+    steps = workspace.maxima_cols(n, workspace.MAXIMA_STEP_POOLS)
+    keys = np.zeros((rows, steps * 64), np.uint32)
+    keys[:, :n] = np.asarray(ref.order_key(jnp.asarray(x)))
+    return keys.reshape(rows, steps, 64).max(axis=2)
+
+
+def _split_topk(x, lengths, k, mx, pools):
+    from pallas_kernels.triton_lang import topk_rows
+    return np.asarray(jax.jit(lambda a, l, m: topk_rows.topk_pools_split(a, l, k, m, pools))(
+        jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pools", [8, 64])
+@pytest.mark.parametrize("k", [64, 512, 2048])
+def test_tc_split_topk_equals_the_reference(rng, k, pools):
+    """The split top-k (candidates from many programs per row, appended in whatever order
+    their atomics land, then one selecting program) gives the reference's ids bit for bit,
+    run to run: through the floor, with floor 0 (fewer than k whole-step maxima), and
+    through the whole-row walk when the candidates overflow."""
+    _require_triton()
+    rows = 24
+    n = max(pools * k * 2 + 13, 3 * 64 * k // 8 + 29)
+    x = adversarial_scores(rng, rows, n)
+    x[8] = np.sort(x[8])                                         # increasing: clustered at the end
+    x[9] = np.repeat(rng.standard_normal(-(-n // pools)), pools)[:n]     # whole groups tied
+    x[10] = np.where(rng.random(n) < 0.02, rng.standard_normal(n), 0.0).astype(np.float32)   # sparse + zeros
+    lengths = rng.integers(0, n + 100, rows).astype(np.int32)
+    lengths[:11] = n
+    lengths[11], lengths[12], lengths[13] = 64 * k // (64 // pools) - 1, 64 * k // (64 // pools), 64 * k + 5
+    lengths[14], lengths[15] = k - 1, 0
+    lengths[16] = n - 40
+    x[16, n - 40:] = 1e38                                        # larger than all, past the length
+    mx = group_maxima(x) if pools == 8 else step_maxima(x)
+    got = _split_topk(x, lengths, k, mx, pools)
+    np.testing.assert_array_equal(got, np_topk(x, lengths, k))
+    for _ in range(3):                                           # the atomics' order never shows
+        np.testing.assert_array_equal(_split_topk(x, lengths, k, mx, pools), got)
+
+
+def floor16(keys, take):
+    """The split top-k's floor: the top 16 bits of the take-th largest key, the rest 0."""
+    kth = np.sort(keys.astype(np.uint64))[::-1][take - 1]
+    return int(kth) & 0xFFFF0000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pools", [8, 64])
+def test_tc_split_candidates_are_the_scores_above_the_floor(rng, pools):
+    """The candidate launch appends exactly the scores below a row's length whose order key
+    reaches the floor of the row's whole-step maxima (floor 0 below k of them), each once;
+    and the selection is exact whatever the maxima hold (overstated: too few candidates,
+    the whole-row walk; garbage: any floor)."""
+    _require_triton()
+    from pallas_kernels.triton_lang import topk_rows
+    k, rows = 64, 7
+    n = 64 * k * 3 + 50
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[1] = np.round(x[1] * 4) / 4                                # ties across the floor
+    x[6] = 0.0                                                   # a plateau: every score reaches the floor
+    lengths = np.array([n, n - 77, 64 * k // (64 // pools) - 1, 64 * k + 64, 100, 0, n], np.int32)
+    mx = group_maxima(x) if pools == 8 else step_maxima(x)
+    sk, si, cnt = (np.asarray(a) for a in jax.jit(lambda a, l, m: topk_rows.split_candidates(a, l, k, m, pools))(
+        jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))
+    keys = np.asarray(ref.order_key(jnp.asarray(x)))
+    base, cap = 2 * workspace.padded_k(k), workspace.candidate_cap(k)
+    for r in range(rows):
+        ng = lengths[r] // 64 * (64 // pools)
+        f = floor16(mx[r, :ng], k) if ng >= k else 0
+        ids = np.nonzero(keys[r, :lengths[r]] >= f)[0]
+        assert cnt[r] == ids.size, (r, cnt[r], ids.size)
+        got = si[r, base:base + min(cnt[r], cap)]                # a count past CAP keeps CAP of them
+        assert np.unique(got).size == got.size and np.isin(got, ids).all()
+        if cnt[r] <= cap:
+            np.testing.assert_array_equal(np.sort(got), ids)
+        np.testing.assert_array_equal(sk[r, base:base + got.size], keys[r, got])
+    assert ((cnt > k) & (cnt < n // 4)).any()                    # the floor cut most of a row
+    assert (cnt > cap).any()                                     # and a row overflowed the buffer
+    want = np_topk(x, lengths, k)
+    for bad in (np.full_like(mx, 0xFFFFFFFF), rng.integers(0, 2**32, mx.shape, dtype=np.uint64).astype(np.uint32)):
+        np.testing.assert_array_equal(_split_topk(x, lengths, k, bad, pools), want)
+
+
 @pytest.mark.gpu
 def test_tc_topk_reads_only_the_groups_above_the_floor(rng):
     """The maxima decide which scores are read: with the best group's maximum understated
@@ -361,6 +485,30 @@ def test_tc_topk_reads_only_the_groups_above_the_floor(rng):
     mx[np.arange(rows), [group_of(b) for b in best]] = 1
     got = _tc_topk_with_maxima(x, lengths, k, mx)
     assert all(best[r] not in got[r] for r in range(rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TC_CASES[:3])
+def test_tc_logits_step_maxima_are_the_step_maxima(rng, case):
+    """paged_logits(maxima=True, maxima_pools=64) for decode rows (one query row per
+    program): entry s is the largest order key of columns 64 s .. 64 s + 63 wherever the
+    logits are written, and the logits are those of the prefill launch shape."""
+    _require_triton()
+    from pallas_kernels.triton_lang import prefill_logits
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=3, n=1, max_pages=40, **case)
+    args = (cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
+    plain = np.asarray(jax.jit(prefill_logits.paged_logits, static_argnums=1)(*args))
+    for fill in (True, False):
+        lg, mx = jax.jit(lambda *a, fill=fill: prefill_logits.paged_logits(*a, fill=fill, maxima=True,
+                                                                             maxima_pools=64),
+                         static_argnums=1)(*args)
+        lg, mx = np.asarray(lg), np.asarray(mx)
+        want = step_maxima(lg.reshape(-1, lg.shape[-1])).reshape(mx.shape)
+        for b in range(mx.shape[0]):
+            c = int(ctx[b, 0])
+            seen = slice(None) if fill else slice(0, -(-c // 64))
+            np.testing.assert_array_equal(mx[b, 0, seen], want[b, 0, seen])
+            np.testing.assert_array_equal(lg[b, 0, :c], plain[b, 0, :c])
 
 
 @pytest.mark.gpu
@@ -445,6 +593,40 @@ def test_tc_select_tokens_is_batch_invariant(rng):
     shifted = np.asarray(_select(layout, layer, "triton")(cache, q8[:1, 3:], wf[:1, 3:], jnp.asarray(table[:1]),
                                                           jnp.asarray(pos[:1, 3:])))
     np.testing.assert_array_equal(shifted, both[3:200])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n", [1, 3])
+def test_tc_decode_select_tokens_follows_the_contract(rng, next_n):
+    """Decode batches (next_n query rows per request, the split top-k): the selected pools
+    equal the golden selection on every decided row, the tail columns the reference's;
+    the same indices run to run and for a request alone or in the batch."""
+    _require_triton()
+    b = 24
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=b, n=next_n, max_pages=40)
+    c = layout.config
+    n_pools = table.shape[1] * s.page_rows
+    last = rng.integers(next_n + 2100, n_pools * c.kpool, b)
+    pos = (last[:, None] - np.arange(next_n)[::-1][None, :]).astype(np.int32)
+    pos[-1, :] = -1 if next_n > 1 else pos[-1, :]                # a padding request
+    k = 64
+    f = jax.jit(lambda cc, q, w, t, p: ops.select_tokens(cc, layout, layer, q, w, t, p, topk_tokens=k * c.kpool,
+                                                          short_context=False, implementation="triton"))
+    args = (cache, q8, wf, jnp.asarray(table), jnp.asarray(pos))
+    got = np.asarray(f(*args))
+    np.testing.assert_array_equal(np.asarray(f(*args)), got)
+    alone = np.asarray(f(cache, q8[1:2], wf[1:2], jnp.asarray(table[1:2]), jnp.asarray(pos[1:2])))
+    np.testing.assert_array_equal(alone, got[next_n:2 * next_n])
+    seq = np.where(pos >= 0, pos + 1, 0)
+    ctx = seq // c.kpool
+    gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
+    gold, e, ctx, seq = gold.reshape(b * next_n, -1), e.reshape(b * next_n, -1), ctx.reshape(-1), seq.reshape(-1)
+    decided = decided_rows(gold, e, ctx, k)
+    assert decided.size >= 0.2 * b * next_n                      # the check is not vacuous
+    want = np_expand(np_topk(gold, ctx, k), seq, c.kpool)
+    sel = lambda x: np.sort(x[:, :k * c.kpool].reshape(x.shape[0], k, c.kpool)[..., 0], axis=1)   # noqa: E731
+    np.testing.assert_array_equal(sel(got[decided]), sel(want[decided]))
+    np.testing.assert_array_equal(got[:, k * c.kpool:], want[:, k * c.kpool:])
 
 
 @pytest.mark.gpu

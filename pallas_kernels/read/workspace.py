@@ -16,6 +16,9 @@ TC_PAGE_ROWS = (16, 32, 64)            # P: G * P = 64 pool rows per MMA step
 TC_HEADS = (32, 64)                    # padded heads: BQ * Hp dot columns
 MAXIMA_GROUP_POOLS = 8                 # logit columns per group maximum the logits kernel writes
 MAXIMA_STEP_POOLS = 64                 # columns of one MMA step of the logits kernel: 8 groups
+FLOOR_MAXIMA = 8192                    # maxima per row the split top-k's floor holds in one tile
+MIN_PROGRAMS = 528                     # logits programs a small batch spreads over: 4 per SM of the H200 (132 SMs)
+SPLIT_PROGRAMS = 264                   # candidate programs of the split top-k: 2 per SM (docs/benchmarks.md)
 
 
 def padded_k(k: int) -> int:
@@ -37,9 +40,44 @@ def topk_scratch_bytes_per_row(k: int) -> int:
     return (2 * padded_k(k) + cap) * 8 + cap * 4
 
 
-def maxima_cols(n_cols_pools: int) -> int:
-    """Group maxima per row of logits: 8 per MAXIMA_STEP_POOLS columns (rounded up)."""
-    return -(-n_cols_pools // MAXIMA_STEP_POOLS) * (MAXIMA_STEP_POOLS // MAXIMA_GROUP_POOLS)
+def maxima_cols(n_cols_pools: int, group_pools: int = MAXIMA_GROUP_POOLS) -> int:
+    """Maxima per row of logits: MAXIMA_STEP_POOLS // group_pools per step of
+    MAXIMA_STEP_POOLS columns (rounded up); group_pools is 8 (``group_columns``) or 64
+    (one maximum per step: columns 64 s .. 64 s + 63)."""
+    if group_pools not in (MAXIMA_GROUP_POOLS, MAXIMA_STEP_POOLS):
+        raise ValueError(f"maxima cover {MAXIMA_GROUP_POOLS} or {MAXIMA_STEP_POOLS} pools, got {group_pools}")
+    return -(-n_cols_pools // MAXIMA_STEP_POOLS) * (MAXIMA_STEP_POOLS // group_pools)
+
+
+def split_maxima_pools(n_cols_pools: int) -> int:
+    """Pools per maximum on the split (small-batch) path: groups of 8 while a row has at
+    most FLOOR_MAXIMA of them (up to 64k pools, 256k tokens), whole steps of 64 above
+    that, so the floor holds a row's maxima in one tile up to 512k pools (2M tokens)."""
+    small = maxima_cols(n_cols_pools, MAXIMA_GROUP_POOLS) <= FLOOR_MAXIMA
+    return MAXIMA_GROUP_POOLS if small else MAXIMA_STEP_POOLS
+
+
+def logits_pages_per_program(max_pages: int, other_programs: int, pages_per_step: int,
+                             pages_max: int) -> int:
+    """Page-table columns per logits program: pages_max, halved (down to one step of
+    pages_per_step) while the grid would have fewer than MIN_PROGRAMS programs, so a
+    small batch still spreads its reads over every SM. other_programs: the grid's
+    programs per column block (query-row blocks x requests)."""
+    pages = max(pages_max, pages_per_step)
+    while pages > pages_per_step and other_programs * -(-max_pages // pages) < MIN_PROGRAMS:
+        pages //= 2
+    return pages
+
+
+def split_spans(rows: int, n_cols_pools: int, block: int, programs: int = SPLIT_PROGRAMS) -> tuple[int, int]:
+    """(spans per row, pools per span) of the split top-k's candidate launch: about
+    `programs` programs (rows x spans) where the rows are long enough, each span a
+    multiple of `block`. Every program finds its row's floor again, so more programs
+    cost more than they read faster."""
+    blocks = max(1, -(-n_cols_pools // block))
+    spans = max(1, min(-(-programs // max(1, rows)), blocks))
+    per_span = -(-blocks // spans) * block
+    return -(-n_cols_pools // per_span) if n_cols_pools else 1, per_span
 
 
 def group_columns(group: int) -> list[int]:

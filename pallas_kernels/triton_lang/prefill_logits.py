@@ -11,10 +11,11 @@ those pages' 128-byte keys and 4-byte scales. Writes ONLY its output
 context); without it only the columns below each program's longest context (the
 top-k that follows reads a row only below its length). With ``maxima`` it also
 writes, beside the logits of every step, the largest order key of each group of 8
-of the step's 64 columns (``workspace.group_columns``), from which the Triton
-top-k takes its floor.
+of the step's 64 columns (``workspace.group_columns``), or with maxima_pools 64 of
+the whole step, from which the Triton top-k takes its floor.
 
-Grid: (ceil(n / BQ), ceil(max_pages / PAGES), B). A program holds BQ query rows of
+Grid: (ceil(n / BQ), ceil(max_pages / PAGES), B), PAGES shrinking for small grids
+(``launch_shape``). A program holds BQ query rows of
 one request, their BQ * Hp q8 rows resident as the B operand, and walks PAGES
 page-table columns, G pages per step (software-pipelined loads): the keys of a
 step are [G*P, 128] fp8 (a page's key rows are contiguous), the dot
@@ -68,6 +69,9 @@ class Tuning:
             raise ValueError(f"bad prefill logits tuning {self}")
 
 
+DECODE = Tuning(pages=16)     # decode rows (the split top-k's logits): more, shorter programs (docs/benchmarks.md)
+
+
 @triton.jit
 def _word_index(row, col, VIEW_COLS: tl.constexpr):
     return row.to(tl.int64) * VIEW_COLS + col
@@ -78,7 +82,7 @@ def paged_logits_kernel(n, n_cols, n_pages, n_groups,
                         ctx_ptr, q_ptr, w_ptr, pages_ptr, cache_ptr, out_ptr, max_ptr,
                         HP: tl.constexpr, P: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr,
                         PAGES: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr, FILL: tl.constexpr,
-                        MAXIMA: tl.constexpr, KEY_WORDS: tl.constexpr,
+                        MAXIMA: tl.constexpr, MG: tl.constexpr, KEY_WORDS: tl.constexpr,
                         VIEW_COLS: tl.constexpr):
     # n, n_cols, n_pages, n_groups: i32 query rows per request, output columns (n_pages * P),
     # page-table columns, group maxima per row (workspace.maxima_cols(n_cols))
@@ -101,7 +105,7 @@ def paged_logits_kernel(n, n_cols, n_pages, n_groups,
     g = r // P
     rp = r % P
     out_rows = out_ptr + (brow + rows).to(tl.int64)[None, :] * n_cols     # [1, BQ]
-    MG: tl.constexpr = 8                                           # group maxima per step (M = 64)
+    # MG maxima per step of M = 64 pools: 8 (groups, workspace.group_columns) or 1 (the step)
     max_rows = max_ptr + (brow + rows).to(tl.int64)[None, :] * n_groups             # [1, BQ]
     mg = tl.arange(0, MG)
     if c0 < c1:
@@ -143,13 +147,17 @@ def paged_logits_kernel(n, n_cols, n_pages, n_groups,
             lg = tl.where((pools[:, None] < ctx[None, :]) & ok[:, None], lg, float("-inf"))
             st = ((col + g) < c1)[:, None] & row_ok[None, :]
             tl.store(out_rows + pools[:, None], lg, mask=st)
-            if MAXIMA:
+            if MAXIMA and MG == 8:
                 # the largest order key of each group (workspace.group_columns): rows
                 # 16 w + 8 h + 4 a + i of the step (pools col * P + r) are group 2 w + a
                 kk = tl.reshape(order_key(lg), (4, 2, 2, 4, BQ))                          # [w, h, a, i, BQ]
                 gmax = tl.reshape(tl.max(tl.max(kk, axis=3), axis=1), (MG, BQ))           # [2 w + a, BQ]
                 gst = ((col + (mg // 2) * 16 // P) < c1)[:, None] & row_ok[None, :]
                 tl.store(max_rows + ((col * P) // M * MG + mg)[:, None], gmax, mask=gst)
+            if MAXIMA and MG == 1:
+                # one maximum per step (pools past c1 are -inf above)
+                smax = tl.max(order_key(lg), axis=0)                                      # [BQ]
+                tl.store(max_rows + (col * P) // M, smax[None, :], mask=row_ok[None, :])
     if FILL:
         # -inf in the program's columns past its rows' longest context
         f0 = tl.maximum(c0, need)
@@ -157,12 +165,16 @@ def paged_logits_kernel(n, n_cols, n_pages, n_groups,
             pools = (col + g) * P + rp
             st = ((col + g) < tl.minimum(c0 + PAGES, n_pages))[:, None] & row_ok[None, :]
             tl.store(out_rows + pools[:, None], tl.full((M, BQ), float("-inf"), tl.float32), mask=st)
-        if MAXIMA:                                                 # whole steps: their groups' pages >= f0
+        if MAXIMA and MG == 8:                                     # whole steps: their groups' pages >= f0
             for col in range(c0 + (f0 - c0) // G * G, tl.minimum(c0 + PAGES, n_pages), G):
                 page = col + (mg // 2) * 16 // P
                 gst = ((page >= f0) & (page < tl.minimum(c0 + PAGES, n_pages)))[:, None] & row_ok[None, :]
                 tl.store(max_rows + ((col * P) // M * MG + mg)[:, None],
                          tl.full((MG, BQ), NEG_INF_KEY, tl.uint32), mask=gst)
+        if MAXIMA and MG == 1:                                     # steps that start at or past f0
+            for col in range(c0 + (f0 - c0 + G - 1) // G * G, tl.minimum(c0 + PAGES, n_pages), G):
+                tl.store(max_rows + (col * P) // M,
+                         tl.full((1, BQ), NEG_INF_KEY, tl.uint32), mask=row_ok[None, :])
 
 
 def check_geometry(s: CacheStrides, hp: int):
@@ -170,35 +182,39 @@ def check_geometry(s: CacheStrides, hp: int):
     workspace.check_tc_geometry(s.page_rows, hp, addr.key_rows_16b_aligned(s))
 
 
-def launch_shape(s: CacheStrides, hp: int, n: int, max_pages: int, tune: Tuning):
+def launch_shape(s: CacheStrides, hp: int, n: int, max_pages: int, tune: Tuning, batch: int = 1):
     """(grid, constexprs) of one call: the pages per step make a 64-row M (G * P = 64);
-    rows per program shrink so that BQ * Hp <= 256 (the MMA's widest N)."""
+    rows per program shrink so that BQ * Hp <= 256 (the MMA's widest N) and to the
+    rows there are (a decode row alone: BQ = 1); page-table columns per program shrink
+    while the grid would leave SMs idle (``workspace.logits_pages_per_program``)."""
     g = max(1, 64 // s.page_rows)
-    bq = max(1, min(tune.rows, 256 // hp))
-    pages = max(tune.pages, g)
-    grid = (-(-n // bq), -(-max_pages // pages))
+    bq = max(1, min(tune.rows, 256 // hp, 1 << max(0, n - 1).bit_length()))
+    row_blocks = -(-n // bq)
+    pages = workspace.logits_pages_per_program(max_pages, row_blocks * batch, g, tune.pages)
+    grid = (row_blocks, -(-max_pages // pages))
     return grid, dict(HP=hp, P=s.page_rows, G=g, BQ=bq, PAGES=pages, DOT=DOTS.index(tune.dot),
                       STAGES=tune.stages, KEY_WORDS=addr.KEY_WORDS, VIEW_COLS=_VIEW_COLS)
 
 
-@functools.partial(jax.jit, static_argnames=("s", "fill", "maxima", "tune"))
+@functools.partial(jax.jit, static_argnames=("s", "fill", "maxima", "maxima_pools", "tune"))
 def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, *, fill: bool = True,
-                 maxima: bool = False, tune: Tuning = Tuning()):
+                 maxima: bool = False, maxima_pools: int = workspace.MAXIMA_GROUP_POOLS, tune: Tuning = Tuning()):
     """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32;
     page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
     Returns logits [B, n, max_pages * page_rows] f32 (see the module docstring for
-    ``fill``); with ``maxima`` also [B, n, workspace.maxima_cols(n_cols)] u32, entry g
-    the largest ``order_key`` of the logits in ``workspace.group_columns(g)`` (written
-    where the logits are)."""
+    ``fill``); with ``maxima`` also [B, n, workspace.maxima_cols(n_cols, maxima_pools)]
+    u32 (written where the logits are): with maxima_pools 8, entry g the largest
+    ``order_key`` of the logits in ``workspace.group_columns(g)``; with 64, entry s that
+    of columns 64 s .. 64 s + 63."""
     b, n, hp, _ = q8.shape
     max_pages = page_table_pages.shape[1]
     check_geometry(s, hp)
     n_cols = addr.pools_in_pages(s, max_pages)
-    n_groups = workspace.maxima_cols(n_cols)
+    n_groups = workspace.maxima_cols(n_cols, maxima_pools)
     if b == 0 or n == 0 or max_pages == 0:
         lg = jnp.full((b, n, n_cols), -jnp.inf, jnp.float32)
         return (lg, jnp.full((b, n, n_groups), NEG_INF_KEY.value, jnp.uint32)) if maxima else lg
-    grid, consts = launch_shape(s, hp, n, max_pages, tune)
+    grid, consts = launch_shape(s, hp, n, max_pages, tune, batch=b)
     q_codes = jax.lax.bitcast_convert_type(q8, jnp.uint8).reshape(b * n * hp, nm.HEAD_DIM)
     shapes = (jax.ShapeDtypeStruct((b, n, n_cols), jnp.float32),
               jax.ShapeDtypeStruct((b, n, n_groups) if maxima else (1,), jnp.uint32))
@@ -207,5 +223,6 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
         (context_pools.astype(jnp.int32), q_codes, weights.astype(jnp.float32).reshape(-1),
          addr.page_entries(s, page_table_pages.astype(jnp.int32)), cache),
         shapes, grid=grid + (b,), num_warps=tune.num_warps, num_stages=tune.stages, name="kpool_paged_logits_tc",
-        constexprs=dict(consts, FILL=fill, MAXIMA=maxima))
+        constexprs=dict(consts, FILL=fill, MAXIMA=maxima,
+                        MG=workspace.MAXIMA_STEP_POOLS // maxima_pools))
     return (lg, mx) if maxima else lg

@@ -1,0 +1,105 @@
+"""Triton kernel: the candidates of the split top-k, many programs per row (docs/semantics.md 2.5, 5.9).
+
+A row of a small batch (decode) is long (up to 256k pools at 1M tokens) and alone:
+one program walking it is latency bound. Here the row is cut into spans, each its
+own program, and every program of a row:
+
+  1. reads the row's maxima (the largest order key of each group of 8 or 64 pools,
+     written by the logits kernel; ``workspace.split_maxima_pools``) and takes the
+     floor: the top 16 bits of the k-th best maximum, found bit by bit (``_floor16``).
+     At least k maxima reach it, so at least k scores do, and every score of the
+     row's k best does. Rows with fewer than k whole-step maxima take floor 0: every
+     valid score is a candidate;
+  2. reads its span of scores below the row's length and appends each one whose order
+     key reaches the floor, (key, id), to the row's candidate buffer at a position
+     taken from the row's counter by one atomic add per tile.
+
+The buffer's order depends on which program's atomic lands first; the count and
+the set do not. ``topk_rows.topk_kernel`` (GIVEN) selects from the buffer with a
+total order (key, then id), so the result is deterministic and equals the
+reference's; a count over the buffer's capacity sends the row to the whole-row walk.
+
+Reads ONLY: the row's maxima and its scores below its length. Writes ONLY: the
+row's counter (which must be 0 before the launch) and the candidate region of the
+row's selection buffers ([2 KP, 2 KP + CAP) of ``sel_key`` / ``sel_id``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .order_tl import order_key
+
+
+@triton.jit
+def _count_at_least(mrow, ng, bound, BLOCK_M: tl.constexpr):
+    """How many of the ng keys at mrow are >= bound."""
+    c = ng * 0
+    for t in range(0, ng, BLOCK_M):
+        offs = t + tl.arange(0, BLOCK_M)
+        m = offs < ng
+        c += tl.sum((m & (tl.load(mrow + offs, mask=m, other=0) >= bound)).to(tl.int32), axis=0)
+    return c
+
+
+@triton.jit
+def _floor16(mrow, ng, take, BLOCK_M: tl.constexpr):
+    """The largest multiple of 2**16 that at least `take` of the ng keys at mrow reach
+    (ng >= take >= 1): the top 16 bits of the take-th best key. Bit by bit from the top,
+    each bit kept if enough keys reach the prefix with it set: one count per bit, over
+    keys held in registers when ng <= BLOCK_M (the keys of a row are often all in one
+    bin of any byte, which a histogram would count one key at a time)."""
+    prefix = tl.full((), 0, tl.uint32)
+    if ng <= BLOCK_M:
+        offs = tl.arange(0, BLOCK_M)
+        key = tl.load(mrow + offs, mask=offs < ng, other=0)               # [BLOCK_M], 0 reaches nothing > 0
+        for b in tl.static_range(16):
+            trial = prefix | tl.full((), 1 << (31 - b), tl.uint32)
+            if tl.sum((key >= trial).to(tl.int32), axis=0) >= take:
+                prefix = trial
+    else:
+        for b in tl.static_range(16):
+            trial = prefix | tl.full((), 1 << (31 - b), tl.uint32)
+            if _count_at_least(mrow, ng, trial, BLOCK_M) >= take:
+                prefix = trial
+    return prefix
+
+
+@triton.jit
+def candidates_kernel(n_cols, n_max, span, logits_ptr, lengths_ptr, maxima_ptr, count_in_ptr,
+                      sel_key_ptr, sel_id_ptr, count_ptr,
+                      K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
+                      MAX_POOLS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    # n_cols, n_max, span: i32 score columns, maxima per row, pools per program
+    # logits: [rows, n_cols] f32; lengths: [rows] i32; maxima: [rows, n_max] u32 (MAX_POOLS pools
+    # each); count_in: [rows] i32 zeros (aliases count); sel_key / sel_id: [rows, SEL_W] u32 / i32,
+    # candidates written to [2 KP, 2 KP + CAP); count: [rows] i32 candidates found (may pass CAP)
+    s = tl.program_id(0)
+    row = tl.program_id(1)
+    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
+    lo = s * span
+    hi = tl.minimum(lo + span, n)
+    if lo < hi:
+        STEP: tl.constexpr = 64
+        ng = tl.minimum(n // STEP * (STEP // MAX_POOLS), n_max)     # maxima of whole steps below n
+        floor = tl.full((), 0, tl.uint32)
+        if ng >= K:
+            floor = _floor16(maxima_ptr + row.to(tl.int64) * n_max, ng, K, BLOCK_M)
+        base = logits_ptr + row.to(tl.int64) * n_cols
+        bkey = sel_key_ptr + row.to(tl.int64) * SEL_W + 2 * KP
+        bid = sel_id_ptr + row.to(tl.int64) * SEL_W + 2 * KP
+        for t in range(lo, hi, BLOCK):
+            offs = t + tl.arange(0, BLOCK)
+            m = offs < hi
+            key = order_key(tl.load(base + offs, mask=m, other=0.0))
+            up = m & (key >= floor)
+            c = tl.sum(up.to(tl.int32), axis=0)
+            if c > 0:
+                at = tl.atomic_add(count_ptr + row, c)
+                pos = at + tl.cumsum(up.to(tl.int32), axis=0) - 1
+                st = up & (pos < CAP)
+                tl.store(bkey + pos, key, mask=st)
+                tl.store(bid + pos, offs, mask=st)
+
+
+BLOCK = 512          # scores per tile of a span (one atomic add per tile with candidates)
