@@ -122,13 +122,17 @@ def queries(key, b, n, heads):
     return jax.jit(lambda q, w: ops.prepare_queries(q, w, implementation="xla"))(q, w)
 
 
-def selectors(layout, quick):
-    """name -> f(cache, q8, w, table, positions) for the three implementations."""
+def selectors(layout, quick, triton: bool = False):
+    """name -> f(cache, q8, w, table, positions) for the implementations (the Triton
+    tensor-core path with ``triton``)."""
     def sel(impl, path):
         return lambda c, q, w, t, p: ops.select_tokens(c, layout, 0, q, w, t, p, short_context=False,
                                                         implementation=impl, path=path)
-    return {"pallas fused": sel("pallas", "fused"), "pallas unfused": sel("pallas", "unfused"),
-            "xla": sel("xla", None)}
+    out = {"pallas fused": sel("pallas", "fused"), "pallas unfused": sel("pallas", "unfused"),
+           "xla": sel("xla", None)}
+    if triton:
+        out["triton"] = sel("triton", None)
+    return out
 
 
 def bench_decode(cfg, batch, ctx_tokens, bw, reps, trials, quick):

@@ -1,8 +1,8 @@
 """Device time of one read-path call, read from a profiler trace: no timing harness inside.
 
 Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 20] [--batches 64]
-                      [--contexts 131072] [--xla] [--topk-cols 131072] [--skip-topk] [--skip-decode]
-                      [--profile]
+                      [--contexts 131072] [--xla] [--impls pallas triton] [--topk-cols 131072]
+                      [--skip-topk] [--skip-decode] [--profile] [--split-shapes]
 
 bench_read.py times calls chained in one jit, each made to depend on the last by a
 small perturbation of its inputs. Those perturbations are kernels too: its
@@ -54,6 +54,7 @@ from glm5_jax.config import IndexerConfig  # noqa: E402
 
 BUSY_NAME = "trace_busy"
 BUSY_ITERS = 200_000        # dependent f32 multiply-adds in one thread: ~0.4 ms on the H200
+DECODE_SELECTORS = {"pallas": "pallas unfused", "triton": "triton"}   # --impls -> bench_read.selectors' names
 DERIVED_LINES = ("XLA Ops", "XLA Modules", "Steps", "Framework Name Scope", "Framework Ops",
                  "Source code", "TensorFlow Ops", "XLA TraceMe", "Launch Stats")
 
@@ -174,6 +175,8 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[64], help="decode requests")
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072], help="decode context tokens")
     ap.add_argument("--xla", action="store_true", help="also trace the XLA reference's decode select_tokens")
+    ap.add_argument("--impls", nargs="+", choices=sorted(DECODE_SELECTORS), default=["pallas", "triton"],
+                    help="decode select_tokens implementations to trace (ratios against the first)")
     ap.add_argument("--topk-rows", type=int, default=64)
     ap.add_argument("--topk-cols", type=int, default=131072)
     ap.add_argument("--skip-topk", action="store_true")
@@ -181,10 +184,15 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="no trace: one call of each case inside the CUDA profiler's window, for ncu "
                          "--profile-from-start off")
+    ap.add_argument("--split-shapes", action="store_true",
+                    help="no table: the split top-k's launches (decode, implementation='triton') under their "
+                         "tuning variants, per kernel, for every --batches x --contexts case")
     a = ap.parse_args(argv)
     cfg = IndexerConfig()
     if a.profile:
         return profile(cfg, a)
+    if a.split_shapes:
+        return split_shapes(cfg, a)
     bw = copy_bandwidth()
     busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
@@ -197,17 +205,24 @@ def main(argv=None):
             q8, w = br.queries(key, batch, 1, heads)
             pos = jnp.full((batch, 1), ctx_tokens - 1, jnp.int32)
             floor_us = br.FLOOR_BYTES_PER_TOKEN * ctx_tokens * batch / bw * 1e6
-            sels = br.selectors(layout, False)
+            sels = br.selectors(layout, False, triton="triton" in a.impls)
             case = f"decode B={batch} ctx={ctx_tokens // 1024}k"
-            s = summarize(trace_calls(jax.jit(sels["pallas unfused"]), (cache, q8, w, table, pos), a.calls, busy,
-                                      busy_arg))
-            ratio = f"{s['span_us'] / floor_us:.2f}x floor ({floor_us:.1f} us)"
+            x_s = None
             if a.xla:
                 x_s = summarize(trace_calls(jax.jit(sels["xla"]), (cache, q8, w, table, pos), a.calls, busy,
                                             busy_arg))
-                ratio += f", {x_s['span_us'] / s['span_us']:.2f}x XLA"
                 rows.append((case, "select_tokens (XLA reference)", x_s, f"{x_s['span_us'] / floor_us:.2f}x floor"))
-            rows.append((case, "select_tokens (default: unfused)", s, ratio))
+            base = None
+            for impl in a.impls:
+                s = summarize(trace_calls(jax.jit(sels[DECODE_SELECTORS[impl]]), (cache, q8, w, table, pos),
+                                          a.calls, busy, busy_arg))
+                ratio = f"{s['span_us'] / floor_us:.2f}x floor ({floor_us:.1f} us)"
+                if x_s is not None:
+                    ratio += f", {x_s['span_us'] / s['span_us']:.2f}x XLA"
+                if base is not None:
+                    ratio += f", {base / s['span_us']:.2f}x {a.impls[0]}"
+                base = s["span_us"] if base is None else base
+                rows.append((case, f"select_tokens ({DECODE_SELECTORS[impl]})", s, ratio))
             del cache
     if a.skip_topk:
         return print_rows(rows)
@@ -250,6 +265,69 @@ def profile(cfg, a):
         f = jax.jit(lambda x, l: ops.topk_pools(x, l, k, implementation="pallas"))
         calls.append((f"topk_pools [{a.topk_rows}, {n}] k={k}", lambda: f(x, lengths)))
     return profile_calls(calls)
+
+
+SPLIT_LOGITS_PAGES = (64, 16)            # prefill_logits.Tuning(pages=...) for decode rows
+SPLIT_PROGRAMS = (528, 264, 132)          # the candidate launch's programs (workspace.split_spans)
+SPLIT_SELECT = ((1024, 32, 4), (2048, 32, 8), (4096, 64, 8))   # topk_rows.Tuning(block, bins, num_warps)
+
+
+def split_shapes(cfg, a):
+    """The split top-k's launches on the logits of real decode calls (bench_read's random
+    cache and queries, one query row per request), each variant's kernels traced the way
+    the table is: the logits kernel's pages per program, the candidate launch's programs
+    and the count of candidates (with maxima of 8 and of 64 pools where both fit), and
+    the selecting program's shape; the ids of every variant equal the reference's."""
+    from glm5_jax import reference as ref
+    from pallas_kernels.read import workspace
+    from pallas_kernels.triton_lang import prefill_logits, topk_rows
+    busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
+    k = cfg.topk_pools
+
+    def kernels(f, args):
+        s = summarize(trace_calls(jax.jit(f), args, a.calls, busy, busy_arg))
+        return ", ".join(f"{nm} {t:.1f}" for nm, t in zip(s["order"], s["per_kernel_us"]))
+
+    for batch in a.batches:
+        for ctx_tokens in a.contexts:
+            layout, cache, table, key, heads = br.read_case(cfg, batch, ctx_tokens)
+            q8, w = br.queries(key, batch, 1, heads)
+            s = layout.strides(0)
+            ctx = jnp.full((batch, 1), ctx_tokens // cfg.kpool, jnp.int32)
+            n_cols = table.shape[1] * s.page_rows
+            default_pools = workspace.split_maxima_pools(n_cols)
+            print(f"\nsplit top-k, decode B={batch} ctx={ctx_tokens // 1024}k ({n_cols} columns, k = {k}; "
+                  f"maxima of {default_pools} pools by default); kernels in us")
+            for pages in SPLIT_LOGITS_PAGES:
+                tune = prefill_logits.Tuning(pages=pages)
+                print(f"  logits, {pages} pages per program at most: " + kernels(
+                    lambda c, q, w_, t, x, tune=tune: prefill_logits.paged_logits(
+                        c, s, q, w_, t, x, fill=False, maxima=True, maxima_pools=default_pools, tune=tune),
+                    (cache, q8, w, table, ctx)))
+            for pools in (8, 64):
+                if workspace.maxima_cols(n_cols, pools) > workspace.FLOOR_MAXIMA:
+                    continue
+                lg, mx = jax.jit(lambda c, q, w_, t, x, pools=pools: prefill_logits.paged_logits(
+                    c, s, q, w_, t, x, fill=False, maxima=True, maxima_pools=pools))(cache, q8, w, table, ctx)
+                lg, mx, ln = lg.reshape(batch, -1), mx.reshape(batch, -1), ctx.reshape(-1)
+                want = np.asarray(jax.jit(ref.topk_pools, static_argnums=2)(lg, ln, k))
+                for programs in SPLIT_PROGRAMS:
+                    f = lambda x, l, m, pools=pools, programs=programs: topk_rows.split_candidates(  # noqa: E731
+                        x, l, k, m, pools, programs)
+                    cnt = np.asarray(jax.jit(f)(lg, ln, mx)[2])
+                    print(f"  candidates, maxima of {pools}, {programs} programs: {kernels(f, (lg, ln, mx))}; "
+                          f"candidates per row min {cnt.min()} median {int(np.median(cnt))} max {cnt.max()}, "
+                          f"{(cnt > workspace.candidate_cap(k)).sum()} rows past the buffer")
+                for block, bins, warps in SPLIT_SELECT:
+                    tune = topk_rows.Tuning(block=block, bins=bins, num_warps=warps)
+                    f = lambda x, l, m, pools=pools, tune=tune: topk_rows.topk_pools_split(  # noqa: E731
+                        x, l, k, m, pools, tune=tune)
+                    same = np.array_equal(np.asarray(jax.jit(f)(lg, ln, mx)), want)
+                    print(f"  candidates + selection {block}/{bins}/{warps} warps, maxima of {pools}: "
+                          f"{kernels(f, (lg, ln, mx))}; ids {'equal' if same else 'DIFFER from'} the reference")
+                    if not same:
+                        raise SystemExit("the split top-k's ids differ from the reference")
+            del cache
 
 
 def print_rows(rows):
