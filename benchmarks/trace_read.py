@@ -35,6 +35,7 @@ cudaProfilerStop after a warm-up call, for ``ncu --profile-from-start off``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import os
 import sys
@@ -268,7 +269,7 @@ def profile(cfg, a):
 
 
 SPLIT_LOGITS_PAGES = (64, 16)            # prefill_logits.Tuning(pages=...) for decode rows
-SPLIT_PROGRAMS = (528, 264, 132)          # the candidate launch's programs (workspace.split_spans)
+SPLIT_PROGRAM_VARIANTS = (528, 264, 132)  # the candidate launch's programs (workspace.split_spans)
 SPLIT_SELECT = ((1024, 32, 4), (2048, 32, 8), (4096, 64, 8))   # topk_rows.Tuning(block, bins, num_warps)
 
 
@@ -299,7 +300,7 @@ def split_shapes(cfg, a):
             print(f"\nsplit top-k, decode B={batch} ctx={ctx_tokens // 1024}k ({n_cols} columns, k = {k}; "
                   f"maxima of {default_pools} pools by default); kernels in us")
             for pages in SPLIT_LOGITS_PAGES:
-                tune = prefill_logits.Tuning(pages=pages)
+                tune = dataclasses.replace(prefill_logits.DECODE, pages=pages)
                 print(f"  logits, {pages} pages per program at most: " + kernels(
                     lambda c, q, w_, t, x, tune=tune: prefill_logits.paged_logits(
                         c, s, q, w_, t, x, fill=False, maxima=True, maxima_pools=default_pools, tune=tune),
@@ -311,7 +312,7 @@ def split_shapes(cfg, a):
                     c, s, q, w_, t, x, fill=False, maxima=True, maxima_pools=pools))(cache, q8, w, table, ctx)
                 lg, mx, ln = lg.reshape(batch, -1), mx.reshape(batch, -1), ctx.reshape(-1)
                 want = np.asarray(jax.jit(ref.topk_pools, static_argnums=2)(lg, ln, k))
-                for programs in SPLIT_PROGRAMS:
+                for programs in SPLIT_PROGRAM_VARIANTS:
                     f = lambda x, l, m, pools=pools, programs=programs: topk_rows.split_candidates(  # noqa: E731
                         x, l, k, m, pools, programs)
                     cnt = np.asarray(jax.jit(f)(lg, ln, mx)[2])

@@ -715,8 +715,9 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     """select_tokens with implementation="triton": chunks of query rows (at most
     ``workspace_bytes`` of logits and top-k buffers at a time,
     ``pallas_kernels.read.workspace``) through the tensor-core logits kernel, which
-    also writes each row's group maxima, and the Triton row top-k, which reads only the
-    groups whose maximum reaches the row's floor."""
+    also writes each row's maxima, and the Triton top-k: for prefill chunks one program
+    per row, reading only the groups whose maximum reaches the row's floor; for decode
+    rows (fewer than TC_MIN_ROWS per request) the split top-k."""
     tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")
     tc_topk = importlib.import_module("pallas_kernels.triton_lang.topk_rows")
     b, n = q8.shape[:2]
@@ -724,7 +725,7 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     def pool_ids(ctx, k):
         n_cols = addr.pools_in_pages(s, page_table_pages.shape[1])
         chunk = _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes)
-        split = n < TC_MIN_ROWS
+        split = n < TC_MIN_ROWS and b * chunk <= _workspace.MAX_GRID_ROWS
         mp = _workspace.split_maxima_pools(n_cols) if split else _workspace.MAXIMA_GROUP_POOLS
 
         def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids

@@ -143,9 +143,9 @@ def test_maxima_groups_partition_each_step():
 def test_split_planning_covers_each_row_and_fills_the_gpu(rng):
     """The split top-k's spans cover every column once, in whole tiles, with about
     SPLIT_PROGRAMS programs where the rows are long enough; the logits' pages per program
-    shrink only while the grid is short of MIN_PROGRAMS; the floor's maxima stay within
+    shrink only while the grid is short of the programs asked for; the floor's maxima stay within
     FLOOR_MAXIMA up to 512k pools."""
-    mp, sp = workspace.MIN_PROGRAMS, workspace.SPLIT_PROGRAMS
+    mp, sp = workspace.LOGITS_MIN_PROGRAMS, workspace.SPLIT_PROGRAMS
     for _ in range(300):
         rows = int(rng.integers(1, 300))
         n = int(rng.integers(0, 1 << 19))
@@ -161,7 +161,8 @@ def test_split_planning_covers_each_row_and_fills_the_gpu(rng):
         g = int(rng.choice([1, 2, 4]))
         max_pages = int(rng.integers(1, 1 << 14))
         other = int(rng.integers(1, 2000))
-        pages = workspace.logits_pages_per_program(max_pages, other, g, 64)
+        assert workspace.logits_pages_per_program(max_pages, other, g, 64, 0) == 64     # prefill: never
+        pages = workspace.logits_pages_per_program(max_pages, other, g, 64, mp)
         assert g <= pages <= 64 and pages & (pages - 1) == 0
         programs = other * -(-max_pages // pages)
         if pages > g:
@@ -416,7 +417,7 @@ def test_tc_split_topk_equals_the_reference(rng, k, pools):
     x[10] = np.where(rng.random(n) < 0.02, rng.standard_normal(n), 0.0).astype(np.float32)   # sparse + zeros
     lengths = rng.integers(0, n + 100, rows).astype(np.int32)
     lengths[:11] = n
-    lengths[11], lengths[12], lengths[13] = 64 * k // (64 // pools) - 1, 64 * k // (64 // pools), 64 * k + 5
+    lengths[11], lengths[12], lengths[13] = 64 * k // (64 // pools) - 1, 64 * k // (64 // pools), min(64 * k + 5, n - 7)
     lengths[14], lengths[15] = k - 1, 0
     lengths[16] = n - 40
     x[16, n - 40:] = 1e38                                        # larger than all, past the length
@@ -491,8 +492,9 @@ def test_tc_topk_reads_only_the_groups_above_the_floor(rng):
 @pytest.mark.parametrize("case", TC_CASES[:3])
 def test_tc_logits_step_maxima_are_the_step_maxima(rng, case):
     """paged_logits(maxima=True, maxima_pools=64) for decode rows (one query row per
-    program): entry s is the largest order key of columns 64 s .. 64 s + 63 wherever the
-    logits are written, and the logits are those of the prefill launch shape."""
+    program): entry s is the largest order key of columns 64 s .. 64 s + 63 of the row's
+    logits (-inf past its context) wherever the logits are written, and the logits are
+    those of the call without maxima."""
     _require_triton()
     from pallas_kernels.triton_lang import prefill_logits
     layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=3, n=1, max_pages=40, **case)
@@ -503,7 +505,8 @@ def test_tc_logits_step_maxima_are_the_step_maxima(rng, case):
                                                                              maxima_pools=64),
                          static_argnums=1)(*args)
         lg, mx = np.asarray(lg), np.asarray(mx)
-        want = step_maxima(lg.reshape(-1, lg.shape[-1])).reshape(mx.shape)
+        seen_cols = np.arange(lg.shape[-1])[None, None, :] < ctx[..., None]           # written without fill
+        want = step_maxima(np.where(seen_cols, lg, -np.inf).reshape(-1, lg.shape[-1])).reshape(mx.shape)
         for b in range(mx.shape[0]):
             c = int(ctx[b, 0])
             seen = slice(None) if fill else slice(0, -(-c // 64))

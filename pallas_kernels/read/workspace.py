@@ -17,8 +17,9 @@ TC_HEADS = (32, 64)                    # padded heads: BQ * Hp dot columns
 MAXIMA_GROUP_POOLS = 8                 # logit columns per group maximum the logits kernel writes
 MAXIMA_STEP_POOLS = 64                 # columns of one MMA step of the logits kernel: 8 groups
 FLOOR_MAXIMA = 8192                    # maxima per row the split top-k's floor holds in one tile
-MIN_PROGRAMS = 528                     # logits programs a small batch spreads over: 4 per SM of the H200 (132 SMs)
+LOGITS_MIN_PROGRAMS = 528              # logits programs a decode batch spreads over: 4 per SM of the H200 (132 SMs)
 SPLIT_PROGRAMS = 264                   # candidate programs of the split top-k: 2 per SM (docs/benchmarks.md)
+MAX_GRID_ROWS = 65535                  # CUDA's limit on a grid's second axis: the split top-k's rows
 
 
 def padded_k(k: int) -> int:
@@ -52,19 +53,22 @@ def maxima_cols(n_cols_pools: int, group_pools: int = MAXIMA_GROUP_POOLS) -> int
 def split_maxima_pools(n_cols_pools: int) -> int:
     """Pools per maximum on the split (small-batch) path: groups of 8 while a row has at
     most FLOOR_MAXIMA of them (up to 64k pools, 256k tokens), whole steps of 64 above
-    that, so the floor holds a row's maxima in one tile up to 512k pools (2M tokens)."""
+    that, so the floor holds a row's maxima in one tile up to 512k pools (2M tokens).
+    A row needs at least k whole-step maxima for a floor: with steps, k above 1024
+    leaves rows of 64k-128k pools without one (exact, through the whole-row walk)."""
     small = maxima_cols(n_cols_pools, MAXIMA_GROUP_POOLS) <= FLOOR_MAXIMA
     return MAXIMA_GROUP_POOLS if small else MAXIMA_STEP_POOLS
 
 
 def logits_pages_per_program(max_pages: int, other_programs: int, pages_per_step: int,
-                             pages_max: int) -> int:
+                             pages_max: int, min_programs: int) -> int:
     """Page-table columns per logits program: pages_max, halved (down to one step of
-    pages_per_step) while the grid would have fewer than MIN_PROGRAMS programs, so a
-    small batch still spreads its reads over every SM. other_programs: the grid's
-    programs per column block (query-row blocks x requests)."""
+    pages_per_step) while the grid would have fewer than `min_programs` programs
+    (LOGITS_MIN_PROGRAMS for decode rows, 0 for prefill chunks), so a small batch
+    still spreads its reads over every SM. other_programs: the grid's programs per
+    column block (query-row blocks x requests)."""
     pages = max(pages_max, pages_per_step)
-    while pages > pages_per_step and other_programs * -(-max_pages // pages) < MIN_PROGRAMS:
+    while pages > pages_per_step and other_programs * -(-max_pages // pages) < min_programs:
         pages //= 2
     return pages
 

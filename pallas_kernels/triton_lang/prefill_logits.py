@@ -14,8 +14,8 @@ writes, beside the logits of every step, the largest order key of each group of 
 of the step's 64 columns (``workspace.group_columns``), or with maxima_pools 64 of
 the whole step, from which the Triton top-k takes its floor.
 
-Grid: (ceil(n / BQ), ceil(max_pages / PAGES), B), PAGES shrinking for small grids
-(``launch_shape``). A program holds BQ query rows of
+Grid: (ceil(n / BQ), ceil(max_pages / PAGES), B), PAGES shrinking for small decode
+grids (``launch_shape``). A program holds BQ query rows of
 one request, their BQ * Hp q8 rows resident as the B operand, and walks PAGES
 page-table columns, G pages per step (software-pipelined loads): the keys of a
 step are [G*P, 128] fp8 (a page's key rows are contiguous), the dot
@@ -61,15 +61,18 @@ class Tuning:
     stages: int = 2
     num_warps: int = 4
     dot: str = "f16"
+    min_programs: int = 0          # pages per program halve while the grid is smaller (0: never)
 
     def __post_init__(self):
         pow2 = lambda v: isinstance(v, int) and v >= 1 and not v & (v - 1)   # noqa: E731
         if not (pow2(self.rows) and pow2(self.pages_per_step) and pow2(self.pages) and self.stages >= 1
-                and self.num_warps in (4, 8) and self.dot in DOTS and self.pages >= self.pages_per_step):
+                and self.num_warps in (4, 8) and self.dot in DOTS and self.pages >= self.pages_per_step
+                and isinstance(self.min_programs, int) and self.min_programs >= 0):
             raise ValueError(f"bad prefill logits tuning {self}")
 
 
-DECODE = Tuning(pages=16)     # decode rows (the split top-k's logits): more, shorter programs (docs/benchmarks.md)
+# decode rows (the split top-k's logits): more, shorter programs (docs/benchmarks.md)
+DECODE = Tuning(pages=16, min_programs=workspace.LOGITS_MIN_PROGRAMS)
 
 
 @triton.jit
@@ -185,12 +188,13 @@ def check_geometry(s: CacheStrides, hp: int):
 def launch_shape(s: CacheStrides, hp: int, n: int, max_pages: int, tune: Tuning, batch: int = 1):
     """(grid, constexprs) of one call: the pages per step make a 64-row M (G * P = 64);
     rows per program shrink so that BQ * Hp <= 256 (the MMA's widest N) and to the
-    rows there are (a decode row alone: BQ = 1); page-table columns per program shrink
-    while the grid would leave SMs idle (``workspace.logits_pages_per_program``)."""
+    rows there are (a decode row alone: BQ = 1); with ``tune.min_programs`` page-table
+    columns per program shrink while the grid would leave SMs idle
+    (``workspace.logits_pages_per_program``)."""
     g = max(1, 64 // s.page_rows)
     bq = max(1, min(tune.rows, 256 // hp, 1 << max(0, n - 1).bit_length()))
     row_blocks = -(-n // bq)
-    pages = workspace.logits_pages_per_program(max_pages, row_blocks * batch, g, tune.pages)
+    pages = workspace.logits_pages_per_program(max_pages, row_blocks * batch, g, tune.pages, tune.min_programs)
     grid = (row_blocks, -(-max_pages // pages))
     return grid, dict(HP=hp, P=s.page_rows, G=g, BQ=bq, PAGES=pages, DOT=DOTS.index(tune.dot),
                       STAGES=tune.stages, KEY_WORDS=addr.KEY_WORDS, VIEW_COLS=_VIEW_COLS)

@@ -66,12 +66,13 @@ def _floor16(mrow, ng, take, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def candidates_kernel(n_cols, n_max, span, logits_ptr, lengths_ptr, maxima_ptr, count_in_ptr,
+def candidates_kernel(n_cols, n_maxima, span, logits_ptr, lengths_ptr, maxima_ptr, count_in_ptr,
                       sel_key_ptr, sel_id_ptr, count_ptr,
                       K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
-                      MAX_POOLS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
-    # n_cols, n_max, span: i32 score columns, maxima per row, pools per program
-    # logits: [rows, n_cols] f32; lengths: [rows] i32; maxima: [rows, n_max] u32 (MAX_POOLS pools
+                      POOLS_PER_MAX: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    # n_cols, n_maxima, span: i32 score columns, maxima per row, pools per program
+    # logits: [rows, n_cols] f32; lengths: [rows] i32; maxima: [rows, n_maxima] u32 (POOLS_PER_MAX pools
     # each); count_in: [rows] i32 zeros (aliases count); sel_key / sel_id: [rows, SEL_W] u32 / i32,
     # candidates written to [2 KP, 2 KP + CAP); count: [rows] i32 candidates found (may pass CAP)
     s = tl.program_id(0)
@@ -80,11 +81,10 @@ def candidates_kernel(n_cols, n_max, span, logits_ptr, lengths_ptr, maxima_ptr, 
     lo = s * span
     hi = tl.minimum(lo + span, n)
     if lo < hi:
-        STEP: tl.constexpr = 64
-        ng = tl.minimum(n // STEP * (STEP // MAX_POOLS), n_max)     # maxima of whole steps below n
+        ng = tl.minimum(n // STEP * (STEP // POOLS_PER_MAX), n_maxima)    # maxima of whole steps below n
         floor = tl.full((), 0, tl.uint32)
         if ng >= K:
-            floor = _floor16(maxima_ptr + row.to(tl.int64) * n_max, ng, K, BLOCK_M)
+            floor = _floor16(maxima_ptr + row.to(tl.int64) * n_maxima, ng, K, BLOCK_M)
         base = logits_ptr + row.to(tl.int64) * n_cols
         bkey = sel_key_ptr + row.to(tl.int64) * SEL_W + 2 * KP
         bid = sel_id_ptr + row.to(tl.int64) * SEL_W + 2 * KP

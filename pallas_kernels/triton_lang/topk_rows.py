@@ -253,7 +253,7 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, c
     if from_buf:
         if edge > KP:
             # ties past the edge buffer go to the lowest ids, which the row holds in id order
-            # (the candidates are in group order)
+            # (the candidates are in group order, or with GIVEN in the atomics' order)
             from_buf = n < 0
             src_n = n
             kmin, kmax = _key_range(base, bkey, bid, from_buf, src_n, BLOCK)
@@ -397,19 +397,25 @@ def split_candidates(logits, lengths, k: int, maxima, maxima_pools: int, program
     rows, n = logits.shape
     kp, cap = padded_k(k), workspace.candidate_cap(k)
     sel_w = 2 * kp + cap
-    n_max = workspace.maxima_cols(n, maxima_pools)
-    if maxima.shape != (rows, n_max) or maxima.dtype != jnp.uint32:
-        raise ValueError(f"maxima must be [{rows}, {n_max}] uint32, got {maxima.shape} {maxima.dtype}")
+    n_maxima = workspace.maxima_cols(n, maxima_pools)
+    if maxima.shape != (rows, n_maxima) or maxima.dtype != jnp.uint32:
+        raise ValueError(f"maxima must be [{rows}, {n_maxima}] uint32, got {maxima.shape} {maxima.dtype}")
+    if rows == 0 or n == 0:
+        return (jnp.zeros((rows, sel_w), jnp.uint32), jnp.zeros((rows, sel_w), jnp.int32),
+                jnp.zeros((rows,), jnp.int32))
+    if rows > workspace.MAX_GRID_ROWS:
+        raise ValueError(f"the split top-k takes at most {workspace.MAX_GRID_ROWS} rows per call, got {rows}")
     spans, span = workspace.split_spans(rows, n, topk_candidates.BLOCK, programs)
     return _call.run_read(
-        topk_candidates.candidates_kernel, (n, n_max, span),
+        topk_candidates.candidates_kernel, (n, n_maxima, span),
         (logits, lengths.astype(jnp.int32), maxima, jnp.zeros((rows,), jnp.int32)),
         (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
          jax.ShapeDtypeStruct((rows,), jnp.int32)),
         grid=(spans, rows), num_warps=4, num_stages=1, name="kpool_topk_candidates",
         input_output_aliases={3: 2},
-        constexprs=dict(K=k, KP=kp, CAP=cap, SEL_W=sel_w, MAX_POOLS=maxima_pools, BLOCK=topk_candidates.BLOCK,
-                        BLOCK_M=min(workspace.FLOOR_MAXIMA, 1 << max(0, n_max - 1).bit_length())))
+        constexprs=dict(K=k, KP=kp, CAP=cap, SEL_W=sel_w, POOLS_PER_MAX=maxima_pools,
+                        STEP=workspace.MAXIMA_STEP_POOLS, BLOCK=topk_candidates.BLOCK,
+                        BLOCK_M=min(workspace.FLOOR_MAXIMA, 1 << max(0, n_maxima - 1).bit_length())))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "maxima_pools", "tune"))
