@@ -150,9 +150,9 @@ def test_split_planning_covers_each_row_and_fills_the_gpu(rng):
         rows = int(rng.integers(1, 300))
         n = int(rng.integers(0, 1 << 19))
         block = int(rng.choice([256, 512, 1024]))
-        spans, span = workspace.split_spans(rows, n, block)
-        assert span % block == 0 and spans >= 1
-        assert spans * span >= n and (spans - 1) * span < max(n, 1)
+        spans, span_pools = workspace.split_spans(rows, n, block)
+        assert span_pools % block == 0 and spans >= 1
+        assert spans * span_pools >= n and (spans - 1) * span_pools < max(n, 1)
         blocks = max(1, -(-n // block))
         assert 2 * spans >= min(-(-sp // rows), blocks)           # spans rounded to whole tiles
         assert spans <= -(-sp // rows)

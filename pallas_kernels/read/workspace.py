@@ -80,8 +80,8 @@ def split_spans(rows: int, n_cols_pools: int, block: int, programs: int = SPLIT_
     cost more than they read faster."""
     blocks = max(1, -(-n_cols_pools // block))
     spans = max(1, min(-(-programs // max(1, rows)), blocks))
-    per_span = -(-blocks // spans) * block
-    return -(-n_cols_pools // per_span) if n_cols_pools else 1, per_span
+    span_pools = -(-blocks // spans) * block
+    return -(-n_cols_pools // span_pools) if n_cols_pools else 1, span_pools
 
 
 def group_columns(group: int) -> list[int]:

@@ -66,20 +66,20 @@ def _floor16(mrow, ng, take, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def candidates_kernel(n_cols, n_maxima, span, logits_ptr, lengths_ptr, maxima_ptr, count_in_ptr,
+def candidates_kernel(n_cols, n_maxima, span_pools, logits_ptr, lengths_ptr, maxima_ptr, count_in_ptr,
                       sel_key_ptr, sel_id_ptr, count_ptr,
                       K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
                       POOLS_PER_MAX: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
                       BLOCK_M: tl.constexpr):
-    # n_cols, n_maxima, span: i32 score columns, maxima per row, pools per program
+    # n_cols, n_maxima, span_pools: i32 score columns, maxima per row, pools per program
     # logits: [rows, n_cols] f32; lengths: [rows] i32; maxima: [rows, n_maxima] u32 (POOLS_PER_MAX pools
     # each); count_in: [rows] i32 zeros (aliases count); sel_key / sel_id: [rows, SEL_W] u32 / i32,
     # candidates written to [2 KP, 2 KP + CAP); count: [rows] i32 candidates found (may pass CAP)
     s = tl.program_id(0)
     row = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
-    lo = s * span
-    hi = tl.minimum(lo + span, n)
+    lo = s * span_pools
+    hi = tl.minimum(lo + span_pools, n)
     if lo < hi:
         ng = tl.minimum(n // STEP * (STEP // POOLS_PER_MAX), n_maxima)    # maxima of whole steps below n
         floor = tl.full((), 0, tl.uint32)

@@ -405,9 +405,9 @@ def split_candidates(logits, lengths, k: int, maxima, maxima_pools: int, program
                 jnp.zeros((rows,), jnp.int32))
     if rows > workspace.MAX_GRID_ROWS:
         raise ValueError(f"the split top-k takes at most {workspace.MAX_GRID_ROWS} rows per call, got {rows}")
-    spans, span = workspace.split_spans(rows, n, topk_candidates.BLOCK, programs)
+    spans, span_pools = workspace.split_spans(rows, n, topk_candidates.BLOCK, programs)
     return _call.run_read(
-        topk_candidates.candidates_kernel, (n, n_maxima, span),
+        topk_candidates.candidates_kernel, (n, n_maxima, span_pools),
         (logits, lengths.astype(jnp.int32), maxima, jnp.zeros((rows,), jnp.int32)),
         (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
          jax.ShapeDtypeStruct((rows,), jnp.int32)),
