@@ -435,14 +435,18 @@ def floor16(keys, take):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None, 64])
 @pytest.mark.parametrize("pools", [8, 64])
-def test_tc_split_candidates_are_the_scores_above_the_floor(rng, pools):
+def test_tc_split_candidates_are_the_scores_above_the_floor(rng, monkeypatch, pools, tile):
     """The candidate launch appends exactly the scores below a row's length whose order key
     reaches the floor of the row's whole-step maxima (floor 0 below k of them), each once;
     and the selection is exact whatever the maxima hold (overstated: too few candidates,
-    the whole-row walk; garbage: any floor)."""
+    the whole-row walk; garbage: any floor). tile=64: the floor counts over maxima read
+    tile by tile (rows with more maxima than FLOOR_MAXIMA) instead of held in registers."""
     _require_triton()
     from pallas_kernels.triton_lang import topk_rows
+    if tile is not None:
+        monkeypatch.setattr(workspace, "FLOOR_MAXIMA", tile)
     k, rows = 64, 7
     n = 64 * k * 3 + 50
     x = rng.standard_normal((rows, n)).astype(np.float32)
@@ -451,7 +455,7 @@ def test_tc_split_candidates_are_the_scores_above_the_floor(rng, pools):
     lengths = np.array([n, n - 77, 64 * k // (64 // pools) - 1, 64 * k + 64, 100, 0, n], np.int32)
     mx = group_maxima(x) if pools == 8 else step_maxima(x)
     sk, si, cnt = (np.asarray(a) for a in jax.jit(lambda a, l, m: topk_rows.split_candidates(a, l, k, m, pools))(
-        jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))
+        jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))                 # traced now: FLOOR_MAXIMA as set
     keys = np.asarray(ref.order_key(jnp.asarray(x)))
     base, cap = 2 * workspace.padded_k(k), workspace.candidate_cap(k)
     for r in range(rows):
@@ -467,8 +471,10 @@ def test_tc_split_candidates_are_the_scores_above_the_floor(rng, pools):
     assert ((cnt > k) & (cnt < n // 4)).any()                    # the floor cut most of a row
     assert (cnt > cap).any()                                     # and a row overflowed the buffer
     want = np_topk(x, lengths, k)
-    for bad in (np.full_like(mx, 0xFFFFFFFF), rng.integers(0, 2**32, mx.shape, dtype=np.uint64).astype(np.uint32)):
-        np.testing.assert_array_equal(_split_topk(x, lengths, k, bad, pools), want)
+    if tile is None:
+        for bad in (np.full_like(mx, 0xFFFFFFFF),
+                    rng.integers(0, 2**32, mx.shape, dtype=np.uint64).astype(np.uint32)):
+            np.testing.assert_array_equal(_split_topk(x, lengths, k, bad, pools), want)
 
 
 @pytest.mark.gpu
@@ -490,14 +496,15 @@ def test_tc_topk_reads_only_the_groups_above_the_floor(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TC_CASES[:3])
-def test_tc_logits_step_maxima_are_the_step_maxima(rng, case):
-    """paged_logits(maxima=True, maxima_pools=64) for decode rows (one query row per
+@pytest.mark.parametrize("n", [1, 3])
+def test_tc_logits_step_maxima_are_the_step_maxima(rng, case, n):
+    """paged_logits(maxima=True, maxima_pools=64) for decode rows (a request's n rows per
     program): entry s is the largest order key of columns 64 s .. 64 s + 63 of the row's
     logits (-inf past its context) wherever the logits are written, and the logits are
     those of the call without maxima."""
     _require_triton()
     from pallas_kernels.triton_lang import prefill_logits
-    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=3, n=1, max_pages=40, **case)
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=3, n=n, max_pages=40, **case)
     args = (cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
     plain = np.asarray(jax.jit(prefill_logits.paged_logits, static_argnums=1)(*args))
     for fill in (True, False):
@@ -508,10 +515,11 @@ def test_tc_logits_step_maxima_are_the_step_maxima(rng, case):
         seen_cols = np.arange(lg.shape[-1])[None, None, :] < ctx[..., None]           # written without fill
         want = step_maxima(np.where(seen_cols, lg, -np.inf).reshape(-1, lg.shape[-1])).reshape(mx.shape)
         for b in range(mx.shape[0]):
-            c = int(ctx[b, 0])
-            seen = slice(None) if fill else slice(0, -(-c // 64))
-            np.testing.assert_array_equal(mx[b, 0, seen], want[b, 0, seen])
-            np.testing.assert_array_equal(lg[b, 0, :c], plain[b, 0, :c])
+            for i in range(mx.shape[1]):
+                c = int(ctx[b, i])
+                seen = slice(None) if fill else slice(0, -(-c // 64))
+                np.testing.assert_array_equal(mx[b, i, seen], want[b, i, seen])
+                np.testing.assert_array_equal(lg[b, i, :c], plain[b, i, :c])
 
 
 @pytest.mark.gpu
