@@ -76,8 +76,8 @@ def logits_pages_per_program(max_pages: int, other_programs: int, pages_per_step
 def split_spans(rows: int, n_cols_pools: int, block: int, programs: int = SPLIT_PROGRAMS) -> tuple[int, int]:
     """(spans per row, pools per span) of the split top-k's candidate launch: about
     `programs` programs (rows x spans) where the rows are long enough, each span a
-    multiple of `block`. Every program finds its row's floor again, so more programs
-    cost more than they read faster."""
+    multiple of `block`. Every program finds its row's floor for itself, so more
+    programs cost more than they read faster."""
     blocks = max(1, -(-n_cols_pools // block))
     spans = max(1, min(-(-programs // max(1, rows)), blocks))
     span_pools = -(-blocks // spans) * block
