@@ -270,18 +270,17 @@ def profile(cfg, a):
 
 SPLIT_LOGITS_PAGES = (64, 16)            # prefill_logits.Tuning(pages=...) for decode rows
 SPLIT_PROGRAM_VARIANTS = (528, 264, 132)  # the candidate launch's programs (workspace.split_spans)
-SPLIT_SELECT = ((1024, 32, 4), (2048, 32, 8), (4096, 64, 8))   # topk_rows.Tuning(block, bins, num_warps)
 
 
 def split_shapes(cfg, a):
     """The split top-k's launches on the logits of real decode calls (bench_read's random
     cache and queries, one query row per request), each variant's kernels traced the way
     the table is: the logits kernel's pages per program, the candidate launch's programs
-    and the count of candidates (with maxima of 8 and of 64 pools where both fit), and
-    the selecting program's shape; the ids of every variant equal the reference's."""
+    and the count of candidates (with maxima of 8 and of 64 pools where both fit), then
+    candidates + rank; the ids equal the reference's."""
     from glm5_jax import reference as ref
     from pallas_kernels.read import workspace
-    from pallas_kernels.triton_lang import prefill_logits, topk_rows
+    from pallas_kernels.triton_lang import prefill_logits, split_topk
     busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
     k = cfg.topk_pools
 
@@ -313,21 +312,18 @@ def split_shapes(cfg, a):
                 lg, mx, ln = lg.reshape(batch, -1), mx.reshape(batch, -1), ctx.reshape(-1)
                 want = np.asarray(jax.jit(ref.topk_pools, static_argnums=2)(lg, ln, k))
                 for programs in SPLIT_PROGRAM_VARIANTS:
-                    f = lambda x, l, m, pools=pools, programs=programs: topk_rows.split_candidates(  # noqa: E731
+                    f = lambda x, l, m, pools=pools, programs=programs: split_topk.split_candidates(  # noqa: E731
                         x, l, k, m, pools, programs)
                     cnt = np.asarray(jax.jit(f)(lg, ln, mx)[2])
                     print(f"  candidates, maxima of {pools}, {programs} programs: {kernels(f, (lg, ln, mx))}; "
                           f"candidates per row min {cnt.min()} median {int(np.median(cnt))} max {cnt.max()}, "
                           f"{(cnt > workspace.candidate_cap(k)).sum()} rows past the buffer")
-                for block, bins, warps in SPLIT_SELECT:
-                    tune = topk_rows.Tuning(block=block, bins=bins, num_warps=warps)
-                    f = lambda x, l, m, pools=pools, tune=tune: topk_rows.topk_pools_split(  # noqa: E731
-                        x, l, k, m, pools, tune=tune)
-                    same = np.array_equal(np.asarray(jax.jit(f)(lg, ln, mx)), want)
-                    print(f"  candidates + selection {block}/{bins}/{warps} warps, maxima of {pools}: "
-                          f"{kernels(f, (lg, ln, mx))}; ids {'equal' if same else 'DIFFER from'} the reference")
-                    if not same:
-                        raise SystemExit("the split top-k's ids differ from the reference")
+                f = lambda x, l, m, pools=pools: split_topk.topk_pools_split(x, l, k, m, pools)  # noqa: E731
+                same = np.array_equal(np.asarray(jax.jit(f)(lg, ln, mx)), want)
+                print(f"  candidates + rank, maxima of {pools}: {kernels(f, (lg, ln, mx))}; "
+                      f"ids {'equal' if same else 'DIFFER from'} the reference")
+                if not same:
+                    raise SystemExit("the split top-k's ids differ from the reference")
             del cache
 
 

@@ -669,10 +669,12 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
                               interpret=interpret, path=path, workspace_bytes=workspace_bytes)
 
 
-def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret):
+def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=None):
     """select_tokens' frame shared by the kernel implementations: the causal fill, or
     ``pool_ids(ctx, k)`` ([B, n] visible pools -> [B, n, k] selected pool ids) expanded
-    to tokens by the expansion kernel; ``short`` as ``reference.use_short_path`` returns it."""
+    to tokens by the expansion kernel, or ``token_ids(seq, k)`` ([B, n] tokens -> [B, n,
+    width] token indices, expanded by its own kernels); ``short`` as
+    ``reference.use_short_path`` returns it."""
     b, n = q8.shape[:2]
     r = s.kpool
     k, width = t // r, t + r - 1
@@ -682,6 +684,8 @@ def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret):
 
     def sparse():
         seq = ref.seq_lens_from_positions(positions)                                # [B, n]
+        if token_ids is not None:
+            return token_ids(seq, k).reshape(b * n, width)
         ids = pool_ids(seq // r, k)
         return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
 
@@ -716,29 +720,44 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     ``workspace_bytes`` of logits and top-k buffers at a time,
     ``pallas_kernels.read.workspace``) through the tensor-core logits kernel, which
     also writes each row's maxima, and the Triton top-k: for prefill chunks one program
-    per row, reading only the groups whose maximum reaches the row's floor; for decode
-    rows (fewer than TC_MIN_ROWS per request) the split top-k."""
+    per row, reading only the groups whose maximum reaches the row's floor, then the
+    expansion kernel; for decode rows (fewer than TC_MIN_ROWS per request) the split
+    top-k, whose rank launch writes the token indices itself."""
     tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")
     tc_topk = importlib.import_module("pallas_kernels.triton_lang.topk_rows")
+    tc_split = importlib.import_module("pallas_kernels.triton_lang.split_topk")
     b, n = q8.shape[:2]
+    r = s.kpool
+    n_cols = addr.pools_in_pages(s, page_table_pages.shape[1])
 
-    def pool_ids(ctx, k):
-        n_cols = addr.pools_in_pages(s, page_table_pages.shape[1])
-        chunk = _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes)
-        split = n < TC_MIN_ROWS and b * chunk <= _workspace.MAX_GRID_ROWS
-        mp = _workspace.split_maxima_pools(n_cols) if split else _workspace.MAXIMA_GROUP_POOLS
+    def chunk_of(k):
+        return _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes)
 
+    def pool_ids(ctx, k):                                      # prefill chunks: one program per row
         def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids
             bb, cn = cx.shape
-            lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True,
-                                            maxima_pools=mp, tune=tc_logits.DECODE if split else tc_logits.Tuning())
-            lg, mx, cx = lg.reshape(bb * cn, -1), mx.reshape(bb * cn, -1), cx.reshape(-1)
-            ids = (tc_topk.topk_pools_split(lg, cx, k, mx, mp) if split else tc_topk.topk_pools(lg, cx, k, mx))
+            lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True)
+            ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, mx.reshape(bb * cn, -1))
             return ids.reshape(bb, cn, k)
 
-        return ref.map_query_rows(rows, chunk, q8, weights, ctx)
+        return ref.map_query_rows(rows, chunk_of(k), q8, weights, ctx)
 
-    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret)
+    def token_ids(seq, k):                                     # decode rows: the split top-k, expanded
+        mp = _workspace.split_maxima_pools(n_cols)
+
+        def rows(q, w, cx, sq):                                # [B, chunk] rows -> [B, chunk, width] tokens
+            bb, cn = sq.shape
+            lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True,
+                                            maxima_pools=mp, tune=tc_logits.DECODE)
+            tok = tc_split.select_tokens_split(lg.reshape(bb * cn, -1), cx.reshape(-1), sq.reshape(-1), k,
+                                               mx.reshape(bb * cn, -1), mp, r)
+            return tok.reshape(bb, cn, -1)
+
+        return ref.map_query_rows(rows, chunk_of(k), q8, weights, seq // r, seq)
+
+    split = n < TC_MIN_ROWS and b * chunk_of(t // r) <= _workspace.MAX_GRID_ROWS
+    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret,
+                               token_ids=token_ids if split else None)
 
 
 def _triton_kernel(module: str, name: str):

@@ -176,6 +176,13 @@ def test_split_planning_covers_each_row_and_fills_the_gpu(rng):
     assert workspace.maxima_cols(130, 64) == 3 and workspace.maxima_cols(130, 8) == 24
     with pytest.raises(ValueError, match="8 or 64"):
         workspace.maxima_cols(130, 16)
+    for _ in range(300):                                         # the rank launch's programs per row
+        rows, k, tile = int(rng.integers(1, 5000)), int(rng.choice([1, 64, 512, 2048])), int(rng.choice([32, 64]))
+        cap = workspace.candidate_cap(k)
+        t = workspace.rank_programs(rows, cap, tile)
+        assert 1 <= t <= -(-cap // tile)                         # never a program without a tile to rank
+        assert t == 1 or rows * t <= sp                          # one wave of SPLIT_PROGRAMS at most
+        assert t == -(-cap // tile) or rows * (t + 1) > sp       # and no fewer than fit in it
 
 
 @pytest.mark.parametrize("block_size", [1152, 512, 256])
@@ -395,8 +402,8 @@ def step_maxima(x):
 
 
 def _split_topk(x, lengths, k, mx, pools):
-    from pallas_kernels.triton_lang import topk_rows
-    return np.asarray(jax.jit(lambda a, l, m: topk_rows.topk_pools_split(a, l, k, m, pools))(
+    from pallas_kernels.triton_lang import split_topk
+    return np.asarray(jax.jit(lambda a, l, m: split_topk.topk_pools_split(a, l, k, m, pools))(
         jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))
 
 
@@ -428,6 +435,31 @@ def test_tc_split_topk_equals_the_reference(rng, k, pools):
         np.testing.assert_array_equal(_split_topk(x, lengths, k, mx, pools), got)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 512])
+def test_tc_split_tokens_are_the_expanded_ids(rng, k):
+    """The rank launch's token columns equal expand_pools of the split top-k's ids, the
+    tail columns included, for rows of every length (0, shorter than k, ranked, and rows
+    that cannot be ranked: a plateau at the floor, garbage maxima),"""
+    _require_triton()
+    from pallas_kernels.triton_lang import split_topk
+    r, rows = 4, 12
+    n = 8 * k * 3 + 50
+    x = adversarial_scores(rng, rows, n)
+    x[3] = 0.0                                                   # a plateau: more candidates than the buffer
+    seq = rng.integers(0, n * r + 4, rows).astype(np.int32)
+    seq[:3] = [0, 3, (k - 1) * r + 2]                             # empty, tail only, fewer pools than k
+    seq[3] = n * r
+    mx = group_maxima(x)
+    mx[4] = rng.integers(0, 2**32, mx.shape[1], dtype=np.uint64).astype(np.uint32)    # garbage: any floor
+    lengths = seq // r
+    args = (jnp.asarray(x), jnp.asarray(seq), jnp.asarray(mx))
+    got = np.asarray(jax.jit(lambda a, sq, m: split_topk.select_tokens_split(a, sq // r, sq, k, m, 8, r))(*args))
+    ids = np_topk(x, lengths, k)
+    np.testing.assert_array_equal(got, np_expand(ids, seq, r))
+    np.testing.assert_array_equal(_split_topk(x, lengths, k, mx, 8), ids)
+
+
 def floor16(keys, take):
     """The split top-k's floor: the top 16 bits of the take-th largest key, the rest 0."""
     kth = np.sort(keys.astype(np.uint64))[::-1][take - 1]
@@ -444,7 +476,7 @@ def test_tc_split_candidates_are_the_scores_above_the_floor(rng, monkeypatch, po
     the whole-row walk; garbage: any floor). tile=64: the floor counts over maxima read
     tile by tile (rows with more maxima than FLOOR_MAXIMA) instead of held in registers."""
     _require_triton()
-    from pallas_kernels.triton_lang import topk_rows
+    from pallas_kernels.triton_lang import split_topk
     if tile is not None:
         monkeypatch.setattr(workspace, "FLOOR_MAXIMA", tile)
     k, rows = 64, 7
@@ -454,7 +486,7 @@ def test_tc_split_candidates_are_the_scores_above_the_floor(rng, monkeypatch, po
     x[6] = 0.0                                                   # a plateau: every score reaches the floor
     lengths = np.array([n, n - 77, 64 * k // (64 // pools) - 1, 64 * k + 64, 100, 0, n], np.int32)
     mx = group_maxima(x) if pools == 8 else step_maxima(x)
-    sk, si, cnt = (np.asarray(a) for a in jax.jit(lambda a, l, m: topk_rows.split_candidates(a, l, k, m, pools))(
+    sk, si, cnt = (np.asarray(a) for a in jax.jit(lambda a, l, m: split_topk.split_candidates(a, l, k, m, pools))(
         jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))                 # traced now: FLOOR_MAXIMA as set
     keys = np.asarray(ref.order_key(jnp.asarray(x)))
     base, cap = 2 * workspace.padded_k(k), workspace.candidate_cap(k)

@@ -18,7 +18,7 @@ MAXIMA_GROUP_POOLS = 8                 # logit columns per group maximum the log
 MAXIMA_STEP_POOLS = 64                 # columns of one MMA step of the logits kernel: 8 groups
 FLOOR_MAXIMA = 8192                    # maxima per row the split top-k's floor holds in one tile
 LOGITS_MIN_PROGRAMS = 528              # logits programs a decode batch spreads over: 4 per SM of the H200 (132 SMs)
-SPLIT_PROGRAMS = 264                   # candidate programs of the split top-k: 2 per SM (docs/benchmarks.md)
+SPLIT_PROGRAMS = 264                   # candidate and rank programs of the split top-k: 2 per SM (docs/benchmarks.md)
 MAX_GRID_ROWS = 65535                  # CUDA's limit on a grid's second axis: the split top-k's rows
 
 
@@ -82,6 +82,14 @@ def split_spans(rows: int, n_cols_pools: int, block: int, programs: int = SPLIT_
     spans = max(1, min(-(-programs // max(1, rows)), blocks))
     span_pools = -(-blocks // spans) * block
     return -(-n_cols_pools // span_pools) if n_cols_pools else 1, span_pools
+
+
+def rank_programs(rows: int, cap: int, tile: int, programs: int = SPLIT_PROGRAMS) -> int:
+    """Programs per row of the split top-k's rank launch: at most `programs` in all (one
+    wave: the kernel's registers leave room for 2 programs per SM) unless that is less
+    than one per row, each ranking whole tiles of `tile` candidates, at most one per
+    tile of the row's candidate buffer (`cap` entries)."""
+    return max(1, min(-(-cap // tile), programs // max(1, rows)))
 
 
 def group_columns(group: int) -> list[int]:

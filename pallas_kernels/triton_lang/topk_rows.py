@@ -5,9 +5,8 @@ for the slots a row with fewer than k valid candidates leaves; the same contract
 and the same order key as ``pallas_kernels.topk`` (an exact uint32 image of the f32
 order: -0 == +0, NaN lowest), so the result equals the reference's bit for bit.
 
-Reads ONLY its row of scores below the row's length (and of its group maxima, or
-its given candidates and their count); writes ONLY its row of the output and of its
-private buffers (outputs of the call).
+Reads ONLY its row of scores below the row's length (and of its group maxima);
+writes ONLY its row of the output and of its private buffers (outputs of the call).
 
 One program per row, rows taken longest first (``reverse``: prefill chunks hold
 rows in causal order).
@@ -28,12 +27,8 @@ or whose edge sub-bin among the candidates holds more than KP of them (the edge'
 ties then go to the lowest ids, which the row holds in id order) runs it over the
 whole row.
 
-With GIVEN (``topk_pools_split``) the candidates come from the launch before
-(``topk_candidates``: many programs per row, each appending the scores of its span
-that reach the row's floor, in whatever order their atomics land) with their count;
-a count within the buffer and at least k selects from them, any other runs the
-whole row. The selection below orders by (key, id), so the buffer's order never
-shows in the result.
+``row_topk`` is the body for one row; the split top-k (``split_topk``) runs it as
+the fallback of a row whose candidates it cannot rank.
 
 The selection over a source (the row, or the candidate buffer) walks it four
 times, the later walks mostly from L2:
@@ -63,7 +58,7 @@ import triton.language as tl
 
 from ..read import workspace
 from ..read.workspace import padded_k
-from . import _call, topk_candidates
+from . import _call
 from .order_tl import order_key
 
 
@@ -179,20 +174,11 @@ def _maxima_floor(mrow, ng, take, BLOCK: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, count_ptr, sel_key_in, sel_id_in,
-                sel_key_ptr, sel_id_ptr, group_ptr, out_ptr,
-                K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr, GROUP: tl.constexpr,
-                STEP: tl.constexpr, MAXIMA: tl.constexpr, GIVEN: tl.constexpr,
-                BLOCK: tl.constexpr, NB: tl.constexpr, SMALL: tl.constexpr, REVERSE: tl.constexpr):
-    # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; maxima: [n_rows, n_groups] u32 (the
-    # order key's maximum of the columns workspace.group_columns(g); read only with MAXIMA);
-    # count: [n_rows] i32 candidates given (read only with GIVEN); sel_key_in / sel_id_in: with
-    # GIVEN the candidates (topk_candidates.py), aliased by sel_key / sel_id, else unused;
-    # sel_key / sel_id: [n_rows, SEL_W] u32 / i32 scratch (each row its own: [0, KP) the answer,
-    # [KP, 2 KP) the edge bin, with MAXIMA or GIVEN [2 KP, 2 KP + CAP) the candidates); group:
-    # [n_rows, CAP] i32 scratch with MAXIMA (the listed groups); out: [n_rows, K] i32
-    pid = tl.program_id(0)
-    row = (n_rows - 1 - pid) if REVERSE else pid
+def row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
+             K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr, GROUP: tl.constexpr,
+             STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL: tl.constexpr):
+    """The top-k of one row into out_row[0, K) (the module's docstring; ``topk_kernel``'s
+    arguments, ``row`` the row). Also the split top-k's fallback (``topk_rank``)."""
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
     base = logits_ptr + row.to(tl.int64) * n_cols
     take = tl.minimum(n, K)
@@ -241,11 +227,6 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, c
                     src_n = n_cand
                     from_buf = n >= 0                 # a runtime True
             tl.debug_barrier()
-    if GIVEN:
-        n_given = tl.load(count_ptr + row)
-        if (n_given <= CAP) & (n_given >= take):
-            src_n = n_given
-            from_buf = n >= 0                         # a runtime True
     # the selection over the source: the candidates or the whole row
     kmin, kmax = _key_range(base, bkey, bid, from_buf, src_n, BLOCK)
     scale = NB / ((kmax - kmin).to(tl.float32) + 1.0)
@@ -253,7 +234,7 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, c
     if from_buf:
         if edge > KP:
             # ties past the edge buffer go to the lowest ids, which the row holds in id order
-            # (the candidates are in group order, or with GIVEN in the atomics' order)
+            # (the candidates are in group order)
             from_buf = n < 0
             src_n = n
             kmin, kmax = _key_range(base, bkey, bid, from_buf, src_n, BLOCK)
@@ -341,17 +322,33 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, c
         (~tl.load(ci + i, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
     v = tl.sort(tl.where(ok, v, 0), descending=True)
     ids = tl.where(ok, (~v.to(tl.uint32)).to(tl.int32), -1)
-    tl.store(out_ptr + row.to(tl.int64) * K + i, ids, mask=i < K)
+    tl.store(out_row + i, ids, mask=i < K)
+
+
+@triton.jit
+def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr,
+                out_ptr, K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
+                GROUP: tl.constexpr, STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr,
+                NB: tl.constexpr, SMALL: tl.constexpr, REVERSE: tl.constexpr):
+    # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; maxima: [n_rows, n_groups] u32 (the
+    # order key's maximum of the columns workspace.group_columns(g); read only with MAXIMA);
+    # sel_key / sel_id: [n_rows, SEL_W] u32 / i32 scratch (each row its own: [0, KP) the answer,
+    # [KP, 2 KP) the edge bin, with MAXIMA [2 KP, 2 KP + CAP) the candidates); group:
+    # [n_rows, CAP] i32 scratch with MAXIMA (the listed groups); out: [n_rows, K] i32
+    pid = tl.program_id(0)
+    row = (n_rows - 1 - pid) if REVERSE else pid
+    row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr,
+             out_ptr + row.to(tl.int64) * K, K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
 
 
 WHOLE_ROW = Tuning(block=1024, bins=64)      # without maxima: every walk covers the whole row
-SPLIT = Tuning(block=1024, bins=32, num_warps=4)   # the split path's selection (docs/benchmarks.md)
 
 
-def _consts(k, cap, sel_w, tune, maxima, given):
+def consts(k, cap, sel_w, tune, maxima):
+    """``row_topk``'s constexprs."""
     return dict(K=k, KP=padded_k(k), CAP=cap, SEL_W=sel_w, GROUP=workspace.MAXIMA_GROUP_POOLS,
-                STEP=workspace.MAXIMA_STEP_POOLS, MAXIMA=maxima, GIVEN=given, BLOCK=tune.block, NB=tune.bins,
-                SMALL=min(tune.small, padded_k(k)), REVERSE=tune.reverse)
+                STEP=workspace.MAXIMA_STEP_POOLS, MAXIMA=maxima, BLOCK=tune.block, NB=tune.bins,
+                SMALL=min(tune.small, padded_k(k)))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "tune"))
@@ -379,67 +376,11 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
         if maxima.shape != (rows, n_groups) or maxima.dtype != jnp.uint32:
             raise ValueError(f"maxima must be [{rows}, {n_groups}] uint32, got {maxima.shape} {maxima.dtype}")
         maxima_in, sel_w, groups = maxima, 2 * kp + cap, rows * cap
-    none = jnp.zeros((1,), jnp.int32)
     out = _call.run_read(
-        topk_kernel, (rows, n, n_groups), (logits, lengths.astype(jnp.int32), maxima_in, none, none, none),
+        topk_kernel, (rows, n, n_groups), (logits, lengths.astype(jnp.int32), maxima_in),
         (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
          jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows, k), jnp.int32)),
         grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
-        constexprs=_consts(k, cap, sel_w, tune, maxima is not None, False))
+        constexprs=dict(consts(k, cap, sel_w, tune, maxima is not None), REVERSE=tune.reverse))
     return out[3]
 
-
-def split_candidates(logits, lengths, k: int, maxima, maxima_pools: int, programs: int = workspace.SPLIT_PROGRAMS):
-    """The candidate launch of ``topk_pools_split`` (about `programs` programs,
-    ``workspace.split_spans``): (sel_key, sel_id [rows, 2 KP + CAP], count [rows]); row
-    r's count candidates, if count <= CAP, are at [2 KP, 2 KP + count) in no fixed order
-    (``topk_candidates``)."""
-    rows, n = logits.shape
-    kp, cap = padded_k(k), workspace.candidate_cap(k)
-    sel_w = 2 * kp + cap
-    n_maxima = workspace.maxima_cols(n, maxima_pools)
-    if maxima.shape != (rows, n_maxima) or maxima.dtype != jnp.uint32:
-        raise ValueError(f"maxima must be [{rows}, {n_maxima}] uint32, got {maxima.shape} {maxima.dtype}")
-    if rows == 0 or n == 0:
-        return (jnp.zeros((rows, sel_w), jnp.uint32), jnp.zeros((rows, sel_w), jnp.int32),
-                jnp.zeros((rows,), jnp.int32))
-    if rows > workspace.MAX_GRID_ROWS:
-        raise ValueError(f"the split top-k takes at most {workspace.MAX_GRID_ROWS} rows per call, got {rows}")
-    spans, span_pools = workspace.split_spans(rows, n, topk_candidates.BLOCK, programs)
-    return _call.run_read(
-        topk_candidates.candidates_kernel, (n, n_maxima, span_pools),
-        (logits, lengths.astype(jnp.int32), maxima, jnp.zeros((rows,), jnp.int32)),
-        (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
-         jax.ShapeDtypeStruct((rows,), jnp.int32)),
-        grid=(spans, rows), num_warps=4, num_stages=1, name="kpool_topk_candidates",
-        input_output_aliases={3: 2},
-        constexprs=dict(K=k, KP=kp, CAP=cap, SEL_W=sel_w, POOLS_PER_MAX=maxima_pools,
-                        STEP=workspace.MAXIMA_STEP_POOLS, BLOCK=topk_candidates.BLOCK,
-                        BLOCK_M=min(workspace.FLOOR_MAXIMA, 1 << max(0, n_maxima - 1).bit_length())))
-
-
-@functools.partial(jax.jit, static_argnames=("k", "maxima_pools", "tune"))
-def topk_pools_split(logits, lengths, k: int, maxima, maxima_pools: int, *, tune: Tuning = SPLIT):
-    """The top-k of few long rows (decode): the same result as ``topk_pools``, in two
-    launches: the candidates of every span of a row (``split_candidates``, many programs
-    per row, ``workspace.split_spans``), then one program per row selecting from them.
-    maxima: [rows, workspace.maxima_cols(n, maxima_pools)] u32, entry g the largest
-    ``order_key`` of its columns (``prefill_logits.paged_logits(maxima_pools=...)``).
-    The result is exact whatever the maxima hold: they only set the floor, and a floor
-    that fewer than k of a row's scores reach sends the row to the whole-row walk."""
-    rows, n = logits.shape
-    if rows == 0:
-        return jnp.zeros((0, k), jnp.int32)
-    if n == 0:
-        return jnp.full((rows, k), -1, jnp.int32)
-    kp, cap = padded_k(k), workspace.candidate_cap(k)
-    sel_w = 2 * kp + cap
-    lengths = lengths.astype(jnp.int32)
-    sel_key, sel_id, count = split_candidates(logits, lengths, k, maxima, maxima_pools)
-    out = _call.run_read(
-        topk_kernel, (rows, n, 1), (logits, lengths, jnp.zeros((1,), jnp.uint32), count, sel_key, sel_id),
-        (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
-         jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((rows, k), jnp.int32)),
-        grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
-        input_output_aliases={4: 0, 5: 1}, constexprs=_consts(k, cap, sel_w, tune, False, True))
-    return out[3]
