@@ -3,10 +3,12 @@
   * select_tokens of one request of 32k / 128k / 512k tokens (every prompt row
     scored against every pool before it): the Triton tensor-core path, today's
     Pallas path and the XLA reference, as TFLOP/s and as a fraction of the bf16
-    matmul rate XLA reaches in the same run (an 8192^3 jnp.dot);
+    matmul rate XLA reaches in the same run (an 8192^3 jnp.dot, measured before and
+    after the prefills: the higher of the two);
   * the Triton path split into its logits and its top-k (the logits alone: the same
     chunks with the top-k left out);
   * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once;
+  * with --mosaic, JAX's Mosaic GPU Hopper matmul example on the same product (f16);
   * with --shapes, the longest chunk of each prefill: the logits kernel with and
     without its group maxima, and the row top-k through the maxima's floor in several
     launch shapes against the whole-row walk, on the same logits (ids checked equal).
@@ -55,6 +57,29 @@ def matmul_rate(n=8192):
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     wall(f, a, b, trials=20)                           # clocks up
     return 2 * n ** 3 / wall(f, a, b, trials=30)
+
+
+def mosaic_matmul_rates(n=8192):
+    """JAX's own Mosaic GPU Hopper matmul (``jax.experimental.pallas.ops.gpu.
+    hopper_matmul_mgpu``, f16 operands, f16 out) on [n, n] x [n, n], in the tile shapes
+    that fit the shared memory: {shape: FLOP/s}, or {shape: the error's first line}.
+    The rate the supported Pallas GPU backend reaches on a plain matmul here."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float16)
+    out = {}
+    for tm, tn, wg in ((128, 128, hm.MatmulDimension.N), (128, 128, hm.MatmulDimension.M)):
+        name = f"{tm}x{tn}, warpgroups along {wg.name}"
+        try:
+            cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=4, epi_tile_n=64,
+                                  epi_tile_m=64, grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=8,
+                                  wg_dimension=wg)
+            f = jax.jit(lambda x, y, cfg=cfg: hm.matmul(x, y, None, cfg))
+            wall(f, a, b, trials=20)
+            out[name] = 2 * n ** 3 / wall(f, a, b, trials=30)
+        except Exception as e:          # noqa: BLE001 - reported in the table, not raised
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return out
 
 
 def triton_logits_only(s, q8, table, k):
@@ -155,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--skip-topk", action="store_true")
     ap.add_argument("--shapes", action="store_true", help="the Triton chunk's logits and top-k shapes")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, pallas and xla")
+    ap.add_argument("--mosaic", action="store_true",
+                    help="also JAX's Mosaic GPU Hopper matmul example on the same 8192^3 product (GPU)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     impls = a.impls.split(",")
@@ -163,11 +190,20 @@ def main(argv=None):
         impls, prefills = [i for i in impls if i != "triton"], [3000]
     cfg = IndexerConfig()
     print("jax", jax.__version__, jax.devices())
-    mm = matmul_rate(512 if a.quick else 8192)
-    print(f"bf16 matmul (XLA jnp.dot): {mm / 1e12:.0f} TFLOP/s")
+    mm_first = matmul_rate(512 if a.quick else 8192)
     out = []
     for tokens in prefills:
-        out += bench_prefill(cfg, tokens, impls, mm, a.quick)
+        out += bench_prefill(cfg, tokens, impls, mm_first, a.quick)
+    # the rate again with the clocks as the prefills left them; ratios against the higher
+    mm = max(mm_first, matmul_rate(512 if a.quick else 8192))
+    print(f"bf16 matmul (XLA jnp.dot): {mm_first / 1e12:.0f} TFLOP/s first, {mm / 1e12:.0f} the higher")
+    if a.mosaic and not a.quick:
+        for name, r in mosaic_matmul_rates().items():
+            rate = f"{r / 1e12:.0f} TFLOP/s, {r / mm:.2f}x XLA's" if isinstance(r, float) else r
+            print(f"f16 matmul (Mosaic GPU hopper_matmul_mgpu, {name}): {rate}")
+    for r in out:
+        if r.get("x_matmul") is not None:
+            r["x_matmul"] = r["tflops"] * 1e12 / mm
     if a.shapes and not a.quick:
         for tokens in prefills:
             out += bench_shapes(cfg, tokens)
