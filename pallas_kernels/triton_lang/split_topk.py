@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from ..read import workspace
 from ..read.workspace import padded_k
 from . import _call, topk_candidates, topk_rank
-from .topk_rows import Tuning, consts
+from .topk_rows import WHOLE_ROW, consts
 
-FALLBACK = Tuning(block=1024, bins=64)     # the whole-row walk of a row that cannot be ranked
+FALLBACK = WHOLE_ROW     # the whole-row walk of a row that cannot be ranked (its warps: RANK_WARPS)
 RANK_WARPS = 4
 
 
@@ -56,6 +56,7 @@ def split_candidates(logits, lengths, k: int, maxima, maxima_pools: int, program
         constexprs=dict(K=k, KP=kp, CAP=cap, SEL_W=sel_w, POOLS_PER_MAX=maxima_pools,
                         STEP=workspace.MAXIMA_STEP_POOLS, BLOCK=topk_candidates.BLOCK,
                         STAGES=topk_candidates.STAGES,
+                        TWO_PASS=span_pools > topk_candidates.TWO_PASS_TILES * topk_candidates.BLOCK,
                         BLOCK_M=min(workspace.FLOOR_MAXIMA, 1 << max(0, n_maxima - 1).bit_length())))
 
 
@@ -101,14 +102,15 @@ def topk_pools_split(logits, lengths, k: int, maxima, maxima_pools: int):
 
 @functools.partial(jax.jit, static_argnames=("k", "maxima_pools", "kpool"))
 def select_tokens_split(logits, lengths, seq_tokens, k: int, maxima, maxima_pools: int, kpool: int):
-    """The split top-k of rows of seq_tokens [rows] i32 tokens (>= 0) and lengths =
-    seq_tokens // kpool pools, expanded: [rows, k kpool + kpool - 1] i32,
+    """The split top-k of rows of seq_tokens [rows] i32 tokens (< 0: a padding row, as 0)
+    and lengths = seq_tokens // kpool pools, expanded: [rows, k kpool + kpool - 1] i32,
     ``expand.expand_pools`` of ``topk_pools_split``'s ids."""
     rows, n = logits.shape
     lengths, seq_tokens = lengths.astype(jnp.int32), seq_tokens.astype(jnp.int32)
     if rows == 0 or n == 0:
         seq_tokens = jnp.maximum(seq_tokens, 0)
         t = jnp.arange(k * kpool + kpool - 1, dtype=jnp.int32) - k * kpool
-        return jnp.where((t >= 0) & (t < (seq_tokens % kpool)[:, None]), (lengths * kpool)[:, None] + t, -1)
+        tail = (seq_tokens // kpool * kpool)[:, None] + t
+        return jnp.where((t >= 0) & (t < (seq_tokens % kpool)[:, None]), tail, -1)
     cand = split_candidates(logits, lengths, k, maxima, maxima_pools)
     return _rank(logits, lengths, seq_tokens, k, cand, kpool)[1]

@@ -10,16 +10,18 @@ own program, and every program of a row:
      At least k maxima reach it, so at least k scores do, and every score of the
      row's k best does. Rows with fewer than k whole-step maxima take floor 0: every
      valid score is a candidate;
-  2. counts the scores of its span below the row's length whose order key reaches
-     the floor, takes that many places from the row's counter with one atomic add,
-     and reads the span again (from L2) to write each one, (key, id), to the row's
-     candidate buffer. One atomic per program, not per tile: its round trip is
-     paid once.
+  2. appends the scores of its span below the row's length whose order key reaches
+     the floor, (key, id), to the row's candidate buffer, at places taken from the
+     row's counter by atomic adds. A span of more than TWO_PASS_TILES tiles is counted
+     first, its places taken with one atomic add, and read again (from L2) to write
+     them: one atomic round trip per program, not per tile. A shorter span takes one
+     atomic add per tile in one pass.
 
 The buffer's order depends on which program's atomic lands first; the count and
-the set do not. ``topk_rank`` ranks the buffer by a total order (key, then id), so the result is
-deterministic and equals the reference's; a count over the buffer's capacity sends
-the row to the whole-row walk.
+the set do not. ``topk_rank`` ranks the buffer by a total order (key, then id), so
+the result is deterministic and equals the reference's; a count over the buffer's
+capacity, or below min(k, the row's length) (maxima above their scores), sends the
+row to the whole-row walk.
 
 Reads ONLY: the row's maxima and its scores below its length. Writes ONLY: the
 row's counter (which must be 0 before the launch) and the candidate region of the
@@ -72,7 +74,7 @@ def candidates_kernel(n_cols, n_maxima, span_pools, logits_ptr, lengths_ptr, max
                       sel_key_ptr, sel_id_ptr, count_ptr,
                       K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
                       POOLS_PER_MAX: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
-                      STAGES: tl.constexpr, BLOCK_M: tl.constexpr):
+                      STAGES: tl.constexpr, TWO_PASS: tl.constexpr, BLOCK_M: tl.constexpr):
     # n_cols, n_maxima, span_pools: i32 score columns, maxima per row, pools per program
     # logits: [rows, n_cols] f32; lengths: [rows] i32; maxima: [rows, n_maxima] u32 (POOLS_PER_MAX pools
     # each); count_in: [rows] i32 zeros (aliases count); sel_key / sel_id: [rows, SEL_W] u32 / i32,
@@ -90,25 +92,39 @@ def candidates_kernel(n_cols, n_maxima, span_pools, logits_ptr, lengths_ptr, max
         base = logits_ptr + row.to(tl.int64) * n_cols
         bkey = sel_key_ptr + row.to(tl.int64) * SEL_W + 2 * KP
         bid = sel_id_ptr + row.to(tl.int64) * SEL_W + 2 * KP
-        up_n = tl.zeros((BLOCK,), tl.int32)
-        for t in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            offs = t + tl.arange(0, BLOCK)
-            m = offs < hi
-            up_n += (m & (order_key(tl.load(base + offs, mask=m, other=0.0)) >= floor)).to(tl.int32)
-        c = tl.sum(up_n, axis=0)
-        if c > 0:
-            at = tl.atomic_add(count_ptr + row, c)
+        if TWO_PASS:
+            up_n = tl.zeros((BLOCK,), tl.int32)
             for t in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+                offs = t + tl.arange(0, BLOCK)
+                m = offs < hi
+                up_n += (m & (order_key(tl.load(base + offs, mask=m, other=0.0)) >= floor)).to(tl.int32)
+            c = tl.sum(up_n, axis=0)
+            if c > 0:
+                at = tl.atomic_add(count_ptr + row, c)
+                for t in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+                    offs = t + tl.arange(0, BLOCK)
+                    m = offs < hi
+                    key = order_key(tl.load(base + offs, mask=m, other=0.0))
+                    up = m & (key >= floor)
+                    pos = at + tl.cumsum(up.to(tl.int32), axis=0) - 1
+                    st = up & (pos < CAP)
+                    tl.store(bkey + pos, key, mask=st)
+                    tl.store(bid + pos, offs, mask=st)
+                    at += tl.sum(up.to(tl.int32), axis=0)
+        else:
+            for t in range(lo, hi, BLOCK):
                 offs = t + tl.arange(0, BLOCK)
                 m = offs < hi
                 key = order_key(tl.load(base + offs, mask=m, other=0.0))
                 up = m & (key >= floor)
-                pos = at + tl.cumsum(up.to(tl.int32), axis=0) - 1
-                st = up & (pos < CAP)
-                tl.store(bkey + pos, key, mask=st)
-                tl.store(bid + pos, offs, mask=st)
-                at += tl.sum(up.to(tl.int32), axis=0)
-
+                c = tl.sum(up.to(tl.int32), axis=0)
+                if c > 0:
+                    at = tl.atomic_add(count_ptr + row, c)
+                    pos = at + tl.cumsum(up.to(tl.int32), axis=0) - 1
+                    st = up & (pos < CAP)
+                    tl.store(bkey + pos, key, mask=st)
+                    tl.store(bid + pos, offs, mask=st)
 
 BLOCK = 1024         # scores per tile of a span
+TWO_PASS_TILES = 2   # spans of more tiles count first, then write (one atomic add)
 STAGES = 3           # tiles of a span whose loads are in flight
