@@ -636,9 +636,10 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
 
     implementation="triton": the tensor-core logits kernel, then the Triton top-k: one
     program per row for prefill chunks (TC_MIN_ROWS or more query rows per request,
-    the default there on a GPU), the split top-k (many programs per row, then one
-    selecting) for decode rows. Both hold at most ``workspace_bytes`` (default 1 GiB)
-    of logits and top-k buffers at a time.
+    the default there on a GPU), the split top-k for decode rows (candidates from many
+    programs per row, then a rank launch of several programs per row that writes the
+    token indices). Both hold at most ``workspace_bytes`` (default 1 GiB) of logits,
+    top-k buffers and results at a time.
     """
     op = "select_tokens"
     q8, weights, (b, n, hp) = _check_read_inputs(op, cache, layout, q8, weights, page_table_pages,
@@ -671,10 +672,10 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
 
 def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=None):
     """select_tokens' frame shared by the kernel implementations: the causal fill, or
-    ``pool_ids(ctx, k)`` ([B, n] visible pools -> [B, n, k] selected pool ids) expanded
-    to tokens by the expansion kernel, or ``token_ids(seq, k)`` ([B, n] tokens -> [B, n,
-    width] token indices, expanded by its own kernels); ``short`` as
-    ``reference.use_short_path`` returns it."""
+    ``token_ids(seq, k)`` ([B, n] tokens -> [B, n, width] token indices, expanded by its
+    own kernels; None where it does not apply), or else ``pool_ids(ctx, k)`` ([B, n]
+    visible pools -> [B, n, k] selected pool ids) expanded to tokens by the expansion
+    kernel; ``short`` as ``reference.use_short_path`` returns it."""
     b, n = q8.shape[:2]
     r = s.kpool
     k, width = t // r, t + r - 1
@@ -684,8 +685,9 @@ def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_i
 
     def sparse():
         seq = ref.seq_lens_from_positions(positions)                                # [B, n]
-        if token_ids is not None:
-            return token_ids(seq, k).reshape(b * n, width)
+        tokens = None if token_ids is None else token_ids(seq, k)
+        if tokens is not None:
+            return tokens.reshape(b * n, width)
         ids = pool_ids(seq // r, k)
         return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
 
@@ -730,8 +732,9 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     r = s.kpool
     n_cols = addr.pools_in_pages(s, page_table_pages.shape[1])
 
-    def chunk_of(k):
-        return _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes)
+    def chunk_of(k, tokens_per_row=0):
+        return _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes,
+                                         tokens_per_row=tokens_per_row)
 
     def pool_ids(ctx, k):                                      # prefill chunks: one program per row
         def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids
@@ -743,6 +746,11 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
         return ref.map_query_rows(rows, chunk_of(k), q8, weights, ctx)
 
     def token_ids(seq, k):                                     # decode rows: the split top-k, expanded
+        if n >= TC_MIN_ROWS:
+            return None
+        chunk = chunk_of(k, tokens_per_row=k * r + r - 1)
+        if b * chunk > _workspace.MAX_GRID_ROWS:
+            return None
         mp = _workspace.split_maxima_pools(n_cols)
 
         def rows(q, w, cx, sq):                                # [B, chunk] rows -> [B, chunk, width] tokens
@@ -753,11 +761,9 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
                                                mx.reshape(bb * cn, -1), mp, r)
             return tok.reshape(bb, cn, -1)
 
-        return ref.map_query_rows(rows, chunk_of(k), q8, weights, seq // r, seq)
+        return ref.map_query_rows(rows, chunk, q8, weights, seq // r, seq)
 
-    split = n < TC_MIN_ROWS and b * chunk_of(t // r) <= _workspace.MAX_GRID_ROWS
-    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret,
-                               token_ids=token_ids if split else None)
+    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=token_ids)
 
 
 def _triton_kernel(module: str, name: str):

@@ -95,9 +95,11 @@ def test_rows_per_chunk_keeps_the_workspace_bound(rng):
         n_cols = int(rng.integers(1, 1 << 19))
         k = int(rng.choice([1, 7, 64, 512, 2048]))
         batch = int(rng.integers(1, 9))
-        per_row = batch * workspace.chunk_row_bytes(n_cols, k)
+        tokens = int(rng.choice([0, 4 * k + 3]))                  # the split top-k's token columns
+        per_row = batch * workspace.chunk_row_bytes(n_cols, k, tokens)
+        assert per_row == batch * (workspace.chunk_row_bytes(n_cols, k) + 4 * tokens)
         ws = int(rng.integers(per_row, per_row * 5000))
-        c = workspace.rows_per_chunk(n_rows, n_cols, k, batch, ws)
+        c = workspace.rows_per_chunk(n_rows, n_cols, k, batch, ws, tokens_per_row=tokens)
         assert 1 <= c <= n_rows
         assert c * per_row <= ws                                 # the bound holds
         assert c == n_rows or (c + 1) * per_row > ws             # and is used, not undershot
@@ -412,7 +414,7 @@ def _split_topk(x, lengths, k, mx, pools):
 @pytest.mark.parametrize("k", [64, 512, 2048])
 def test_tc_split_topk_equals_the_reference(rng, k, pools):
     """The split top-k (candidates from many programs per row, appended in whatever order
-    their atomics land, then one selecting program) gives the reference's ids bit for bit,
+    their atomics land, then ranked by several programs per row) gives the reference's ids bit for bit,
     run to run: through the floor, with floor 0 (fewer than k whole-step maxima), and
     through the whole-row walk when the candidates overflow."""
     _require_triton()
@@ -436,28 +438,35 @@ def test_tc_split_topk_equals_the_reference(rng, k, pools):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [64, 512])
-def test_tc_split_tokens_are_the_expanded_ids(rng, k):
+@pytest.mark.parametrize("k, rows", [(64, 12), (512, 12), (64, 300)])
+def test_tc_split_tokens_are_the_expanded_ids(rng, k, rows):
     """The rank launch's token columns equal expand_pools of the split top-k's ids, the
-    tail columns included, for rows of every length (0, shorter than k, ranked, and rows
-    that cannot be ranked: a plateau at the floor, garbage maxima),"""
+    tail columns included, for rows of every length (padding, 0, tail only, shorter than
+    k, ranked) and for rows that cannot be ranked: a plateau at the floor (more
+    candidates than the buffer, with a tail) and maxima above every score (none). 300
+    rows: one rank program per row."""
     _require_triton()
     from pallas_kernels.triton_lang import split_topk
-    r, rows = 4, 12
+    r = 4
     n = 8 * k * 3 + 50
     x = adversarial_scores(rng, rows, n)
     x[3] = 0.0                                                   # a plateau: more candidates than the buffer
     seq = rng.integers(0, n * r + 4, rows).astype(np.int32)
-    seq[:3] = [0, 3, (k - 1) * r + 2]                             # empty, tail only, fewer pools than k
-    seq[3] = n * r
+    seq[:6] = [0, 3, (k - 1) * r + 2, n * r - 1, n * r, -1]      # empty, tail only, < k pools, .., padding
     mx = group_maxima(x)
-    mx[4] = rng.integers(0, 2**32, mx.shape[1], dtype=np.uint64).astype(np.uint32)    # garbage: any floor
+    mx[4] = 0xFFFFFFFF                                           # a floor no score reaches: no candidates
     lengths = seq // r
     args = (jnp.asarray(x), jnp.asarray(seq), jnp.asarray(mx))
     got = np.asarray(jax.jit(lambda a, sq, m: split_topk.select_tokens_split(a, sq // r, sq, k, m, 8, r))(*args))
-    ids = np_topk(x, lengths, k)
+    ids = np_topk(x, np.maximum(lengths, 0), k)
     np.testing.assert_array_equal(got, np_expand(ids, seq, r))
     np.testing.assert_array_equal(_split_topk(x, lengths, k, mx, 8), ids)
+    cnt = np.asarray(jax.jit(lambda a, l, m: split_topk.split_candidates(a, l, k, m, 8))(
+        jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx))[2])
+    assert cnt[3] > workspace.candidate_cap(k) and cnt[4] == 0    # both rows took the whole-row walk
+    if rows > workspace.SPLIT_PROGRAMS:                          # the case runs one rank program per row
+        from pallas_kernels.triton_lang import topk_rank
+        assert workspace.rank_programs(rows, workspace.candidate_cap(k), topk_rank.TI) == 1
 
 
 def floor16(keys, take):

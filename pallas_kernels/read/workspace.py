@@ -84,12 +84,12 @@ def split_spans(rows: int, n_cols_pools: int, block: int, programs: int = SPLIT_
     return -(-n_cols_pools // span_pools) if n_cols_pools else 1, span_pools
 
 
-def rank_programs(rows: int, cap: int, tile: int, programs: int = SPLIT_PROGRAMS) -> int:
+def rank_programs(rows: int, cap_candidates: int, tile_candidates: int, programs: int = SPLIT_PROGRAMS) -> int:
     """Programs per row of the split top-k's rank launch: at most `programs` in all (one
     wave: the kernel's registers leave room for 2 programs per SM) unless that is less
-    than one per row, each ranking whole tiles of `tile` candidates, at most one per
-    tile of the row's candidate buffer (`cap` entries)."""
-    return max(1, min(-(-cap // tile), programs // max(1, rows)))
+    than one per row, each ranking whole tiles of `tile_candidates`, at most one per
+    tile of the row's candidate buffer (`cap_candidates` entries)."""
+    return max(1, min(-(-cap_candidates // tile_candidates), programs // max(1, rows)))
 
 
 def group_columns(group: int) -> list[int]:
@@ -103,20 +103,21 @@ def group_columns(group: int) -> list[int]:
     return [base + h * 8 + i for h in range(2) for i in range(4)]
 
 
-def chunk_row_bytes(n_cols_pools: int, k: int) -> int:
+def chunk_row_bytes(n_cols_pools: int, k: int, tokens_per_row: int = 0) -> int:
     """Workspace bytes one query row of one request takes in a chunk: logits, group
-    maxima (u32), top-k buffers and the k ids."""
+    maxima (u32), top-k buffers, the k ids and `tokens_per_row` i32 token indices (the
+    split top-k writes them in its chunk)."""
     return (n_cols_pools * LOGIT_BYTES + maxima_cols(n_cols_pools) * 4 + topk_scratch_bytes_per_row(k)
-            + 4 * k)
+            + 4 * k + 4 * tokens_per_row)
 
 
 def rows_per_chunk(n_rows: int, n_cols_pools: int, k: int, batch: int = 1,
-                   workspace_bytes: int | None = None) -> int:
+                   workspace_bytes: int | None = None, tokens_per_row: int = 0) -> int:
     """Query rows per chunk (per request) so that a chunk's workspace stays within
     `workspace_bytes` (default DEFAULT_WORKSPACE_BYTES); at least 1, at most n_rows."""
     ws = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     check_workspace_bytes(ws)
-    per_row = max(1, batch) * chunk_row_bytes(n_cols_pools, k)
+    per_row = max(1, batch) * chunk_row_bytes(n_cols_pools, k, tokens_per_row)
     if ws < per_row:
         raise ValueError(f"workspace_bytes={ws} does not hold one query row: a row of {batch} request(s) "
                          f"over {n_cols_pools} pools with k = {k} takes {per_row} bytes")

@@ -1,4 +1,6 @@
-"""Triton kernel: the split top-k's selection by rank, and the expansion to tokens (docs/semantics.md 2.5, 5.10).
+"""Triton kernel: the split top-k's selection by rank, and the expansion to tokens.
+
+docs/semantics.md 2.5, 5.9 (the top-k) and 5.10 (the expansion).
 
 The candidate launch (``topk_candidates``) leaves each row's candidates, (key, id)
 pairs in whatever order its programs' atomics landed, and their count. The place of
@@ -11,7 +13,8 @@ reference's order (descending score, ties by ascending id), whatever order the b
 holds them in: no k-th key search, no sort. Program (r, t) of T per row ranks the
 candidate tiles t, t + T, t + 2T, ... of row r (TI candidates each) against all of the
 row's candidates, TJ at a time (the comparisons gather in a [TI, TJ] tile summed once
-per tile; the loop's loads run STAGES steps ahead, as the buffer is read from L2), and writes each candidate of rank < k to slot rank of the row's ids and,
+per tile; the loop's loads run STAGES steps ahead, as the buffer is read from L2),
+and writes each candidate of rank < k to slot rank of the row's ids and,
 with TOKENS, to its kpool token columns.
 
 Program (r, 0) also writes -1 to the slots a row with fewer than k valid pools
