@@ -454,9 +454,9 @@ def test_finish_snapshot_holds_the_bytes_at_finish(rng):
 
 def test_probe_stops_watching_a_prompt_evicted_after_its_last_rehit():
     """With one filler the planned pool is so small that the last round's control
-    takes the prompt's blocks after the re-hit (evicted, then rewritten: legitimate).
-    The probe used to count those writes as corruption; it now watches while the
-    blocks hold the prompt's cached content and reports when that ended."""
+    takes the prompt's blocks after the re-hit (evicted, then rewritten: legitimate, not
+    corruption). The probe watches only while the blocks hold the prompt's cached
+    content and reports when that ended."""
     w = simulate.preset("cpu", fillers=1, rounds=1)     # the preset's fixed seed: a workload that evicts
     rep = simulate.run_workload(w)
     assert rep["evictions"] > 0 and rep["prompt_stayed_cached"]
