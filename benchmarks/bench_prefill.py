@@ -9,9 +9,10 @@
     chunks with the top-k left out);
   * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once;
   * with --mosaic, JAX's Mosaic GPU Hopper matmul example on the same product (f16);
-  * with --shapes, the longest chunk of each prefill: the logits kernel with and
-    without its group maxima, and the row top-k through the maxima's floor in several
-    launch shapes against the whole-row walk, on the same logits (ids checked equal).
+  * with --shapes, the row top-k's launch shapes (rows held in registers up to a
+    length, longer ones through the maxima's floor): the whole select_tokens per
+    shape, and on the longest chunk of each prefill the logits kernel with and
+    without its group maxima and the row top-k alone (ids checked equal).
 
 FLOPs count 2 * 32 heads * 128 * (visible (row, pool) pairs). GPU:
     PYTHONPATH=$PWD python3 benchmarks/bench_prefill.py [--prefills 32768 131072 524288]
@@ -122,41 +123,63 @@ def bench_prefill(cfg, tokens, impls, mm, quick):
     return rows
 
 
-SHAPES = ((512, 32), (1024, 32), (1024, 64), (512, 64), (256, 32))   # (scores per step, bins)
+def shapes():
+    """The row top-k's launch shapes timed by --shapes: (label, Tuning)."""
+    from pallas_kernels.triton_lang import topk_rows as tct
+    T = tct.Tuning
+    return (("floor, no registers", T(reg_block=0)),
+            ("registers 2048", T(reg_block=2048)),
+            ("registers 4096", T(reg_block=4096)),
+            ("registers 8192", T(reg_block=8192)))
 
 
-def bench_shapes(cfg, tokens):
-    """The Triton path's longest chunk of a prefill of `tokens`: ms of the logits kernel
-    with and without maxima, and of the top-k with the maxima's floor per SHAPES entry
-    and over whole rows (the WHOLE_ROW shape); every top-k's ids equal."""
+def bench_shapes(cfg, tokens, mm):
+    """The Triton path per ``shapes()`` entry: the whole select_tokens of a prefill of
+    `tokens` with that row top-k shape (ids equal across shapes), and on the longest
+    chunk the logits kernel with and without maxima and the row top-k alone (rows
+    past the register form through the maxima's floor; ids equal)."""
     from pallas_kernels.triton_lang import prefill_logits as tcl
     from pallas_kernels.triton_lang import topk_rows as tct
     layout, cache, table, key, heads = read_case(cfg, 1, tokens)
     s = layout.strides(0)
     q8, w = queries(key, 1, tokens, heads)
     k = cfg.topk_pools
+    out = []
+    pos = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    flops = 2.0 * 32 * 128 * float(np.sum((np.arange(tokens) + 1) // cfg.kpool))
+    default, first = tct.DEFAULT, None
+    try:
+        for label, tune in shapes():
+            tct.DEFAULT = tune                     # read when select_tokens is traced
+            f = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
+                                                                  implementation="triton"))
+            got = np.asarray(f(cache, q8, w, table, pos))
+            if first is not None and not np.array_equal(got, first):
+                raise AssertionError(f"select_tokens with the row top-k {label} differs")
+            first = got if first is None else first
+            t = wall(f, cache, q8, w, table, pos)
+            out.append(dict(kind="shapes", case=f"1 x {tokens // 1024}k", impl=f"select_tokens, {label}", ms=t * 1e3,
+                            tflops=flops / t / 1e12, x_matmul=flops / t / mm))
+    finally:
+        tct.DEFAULT = default
     rows = min(tokens, workspace.rows_per_chunk(tokens, addr.pools_in_pages(s, table.shape[1]), k))
     q, ww = q8[:, -rows:], w[:, -rows:]
     ctx = ((jnp.arange(tokens - rows, tokens, dtype=jnp.int32) + 1) // cfg.kpool)[None, :]
     case = f"{tokens // 1024}k, {rows} rows"
-    out = []
     for name, mx in (("logits + maxima", True), ("logits", False)):
         f = jax.jit(lambda c, q_, w_, cx, mx=mx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=mx))
         out.append(dict(kind="shapes", case=case, impl=name, ms=wall(f, cache, q, ww, ctx, trials=5) * 1e3))
     lg, mx = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True))(
         cache, q, ww, ctx)
     lg, mx, lens = lg.reshape(rows, -1), mx.reshape(rows, -1), ctx.reshape(-1)
-    whole = jax.jit(lambda a, l: tct.topk_pools(a, l, k))
-    want = np.asarray(whole(lg, lens))
-    out.append(dict(kind="shapes", case=case, impl=f"top-k, whole rows {tct.WHOLE_ROW.block}/{tct.WHOLE_ROW.bins}",
-                    ms=wall(whole, lg, lens, trials=5) * 1e3))
-    for block, bins in SHAPES:
-        tune = tct.Tuning(block=block, bins=bins)
+    want = None
+    for label, tune in shapes():
         f = jax.jit(lambda a, l, m, tune=tune: tct.topk_pools(a, l, k, m, tune=tune))
-        if not np.array_equal(np.asarray(f(lg, lens, mx)), want):
-            raise AssertionError(f"top-k with maxima {tune} differs from the whole-row walk")
-        out.append(dict(kind="shapes", case=case, impl=f"top-k, floor {block}/{bins}",
-                        ms=wall(f, lg, lens, mx, trials=5) * 1e3))
+        got = np.asarray(f(lg, lens, mx))
+        if want is not None and not np.array_equal(got, want):
+            raise AssertionError(f"top-k {label} differs")
+        want = got if want is None else want
+        out.append(dict(kind="shapes", case=case, impl=f"top-k, {label}", ms=wall(f, lg, lens, mx, trials=5) * 1e3))
     return out
 
 
@@ -206,7 +229,7 @@ def main(argv=None):
             r["x_matmul"] = r["tflops"] * 1e12 / mm
     if a.shapes and not a.quick:
         for tokens in prefills:
-            out += bench_shapes(cfg, tokens)
+            out += bench_shapes(cfg, tokens, mm)
     if not a.skip_topk:
         for k in (512, 2048):
             out += bench_topk(4 if a.quick else 64, 8192 if a.quick else 131072, k, impls,

@@ -739,8 +739,14 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     def pool_ids(ctx, k):                                      # prefill chunks: one program per row
         def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids
             bb, cn = cx.shape
-            lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True)
-            ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, mx.reshape(bb * cn, -1))
+            tune = tc_topk.DEFAULT
+            if not tc_topk.needs_maxima(n_cols, tune):         # every row fits the register form
+                lg = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False)
+                ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, tune=tune)
+            else:
+                lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True)
+                ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, mx.reshape(bb * cn, -1),
+                                         tune=tune)
             return ids.reshape(bb, cn, k)
 
         return ref.map_query_rows(rows, chunk_of(k), q8, weights, ctx)

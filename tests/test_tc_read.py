@@ -357,8 +357,11 @@ def group_of(col):
 
 
 def _tc_topk_with_maxima(x, lengths, k, mx):
+    """The row top-k with maxima and no register form: every row of >= k whole groups
+    through the maxima's floor."""
     from pallas_kernels.triton_lang import topk_rows
-    return np.asarray(jax.jit(lambda a, l, m: topk_rows.topk_pools(a, l, k, m))(
+    tune = topk_rows.Tuning(reg_block=0)
+    return np.asarray(jax.jit(lambda a, l, m: topk_rows.topk_pools(a, l, k, m, tune=tune))(
         jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))
 
 
@@ -391,6 +394,39 @@ def test_tc_topk_with_maxima_equals_the_reference(rng, k):
     got = _tc_topk_with_maxima(x, lengths, k, mx)
     np.testing.assert_array_equal(got, np_topk(x, lengths, k))
     np.testing.assert_array_equal(_tc_topk_with_maxima(x, lengths, k, mx), got)            # run to run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 512, 2048])
+@pytest.mark.parametrize("reg_block, warps", [(8192, 4), (8192, 8), (2048, 4)])
+def test_tc_topk_in_registers_equals_the_reference(rng, k, reg_block, warps):
+    """Rows of at most reg_block scores, held in registers (adversarial keys: ties at the
+    k-th best, plateaus of zeros, NaN, +-inf, huge and tiny, every key equal), and the
+    longer rows of the same launch through the maxima's floor, give the reference's ids
+    bit for bit, run to run; scores past a row's length never count."""
+    _require_triton()
+    from pallas_kernels.triton_lang import topk_rows
+    rows, n = 30, reg_block + 3 * 1024
+    x = adversarial_scores(rng, rows, n)
+    x[8] = np.sort(x[8])                                         # increasing: the best at the end
+    x[9] = np.where(rng.random(n) < 0.02, rng.standard_normal(n), 0.0).astype(np.float32)   # sparse + zeros
+    x[10] = np.round(x[10] * 64) / 64                            # ties across the k-th best
+    lengths = rng.integers(0, reg_block + 1, rows).astype(np.int32)
+    lengths[:11] = reg_block                                     # the longest the registers hold
+    lengths[11], lengths[12], lengths[13], lengths[14] = 0, k - 1, k, k + 1
+    lengths[15], lengths[16], lengths[17] = reg_block + 1, n, n + 100     # the floor's rows
+    lengths[18] = reg_block - 40
+    x[18, reg_block - 40:] = 1e38                                # larger than all, past the length
+    lengths[19] = 1
+    tune = topk_rows.Tuning(reg_block=reg_block, num_warps=warps)
+    mx = jnp.asarray(group_maxima(x))
+    f = jax.jit(lambda a, l, m: topk_rows.topk_pools(a, l, k, m, tune=tune))
+    got = np.asarray(f(jnp.asarray(x), jnp.asarray(lengths), mx))
+    np.testing.assert_array_equal(got, np_topk(x, np.maximum(lengths, 0), k))
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x), jnp.asarray(lengths), mx)), got)   # run to run
+    short = lengths <= reg_block                                 # without maxima: the same ids
+    g = jax.jit(lambda a, l: topk_rows.topk_pools(a, l, k, tune=tune))
+    np.testing.assert_array_equal(np.asarray(g(jnp.asarray(x[short]), jnp.asarray(lengths[short]))), got[short])
 
 
 def step_maxima(x):
@@ -598,10 +634,16 @@ def _select(layout, layer, impl, ws=None):
 
 
 @pytest.mark.gpu
-def test_tc_select_tokens_follows_the_contract(rng):
+@pytest.mark.parametrize("reg_block", [None, 1024])
+def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_block):
     """Prefill of one request: the selected pools equal the golden selection on every
-    decided row, the tail columns equal the reference's, determinism run to run."""
+    decided row, the tail columns equal the reference's, determinism run to run; with
+    the default shape every row fits the register form (no maxima), with 1024 the
+    longer rows go through the logits kernel's maxima."""
     _require_triton()
+    if reg_block is not None:
+        from pallas_kernels.triton_lang import topk_rows
+        monkeypatch.setattr(topk_rows, "DEFAULT", topk_rows.Tuning(reg_block=reg_block))
     layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, n=300, max_pages=40)
     c = layout.config
     n_pools = table.shape[1] * s.page_rows

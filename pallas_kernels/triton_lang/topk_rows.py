@@ -11,6 +11,17 @@ writes ONLY its row of the output and of its private buffers (outputs of the cal
 One program per row, rows taken longest first (``reverse``: prefill chunks hold
 rows in causal order).
 
+A row of at most REG scores (``Tuning.reg_block``; 0 turns the form off) is read once,
+into registers, and never again: its take-th best key comes from a bit-by-bit search
+(the largest key that at least take of the row's keys reach; one block-wide count per
+bit between the row's least and largest key, ending early when exactly take keys
+reach the prefix), the keys above it and the first ties at it by id go to the
+selected buffer in id order, and one sort of the <= KP selected (key, id) pairs orders
+them. Longer rows take the walks below, in a second launch over the same output
+(``LONG``): each launch's programs leave the other's rows alone, and each compiles
+with its own registers (the register form needs many; sharing one kernel would
+hold the walks to its occupancy).
+
 With group maxima (the largest order key of each group of 8 columns, written by
 the logits kernel) and a row of at least k whole groups, the program
 first finds a floor: a key that at least k of the row's whole-group maxima reach,
@@ -65,17 +76,20 @@ from .order_tl import order_key
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Launch shape: BLOCK scores per step of a walk, warps per program, NB bins per
-    level, SMALL the edge size sorted in the short form. Defaults: the fastest shape with
-    maxima on the H200 (docs/benchmarks.md)."""
+    level, SMALL the edge size sorted in the short form, REG the longest row held in
+    registers (0: none). Defaults: the fastest shape for prefill chunks
+    (docs/benchmarks.md)."""
     block: int = 512
     num_warps: int = 4
     bins: int = 32
     small: int = 128
     reverse: bool = True
+    reg_block: int = 4096
 
     def __post_init__(self):
         pow2 = lambda v: isinstance(v, int) and v >= 16 and not v & (v - 1)   # noqa: E731
-        if not (pow2(self.block) and self.num_warps in (1, 2, 4, 8, 16) and pow2(self.bins) and pow2(self.small)):
+        if not (pow2(self.block) and self.num_warps in (1, 2, 4, 8, 16) and pow2(self.bins) and pow2(self.small)
+                and (self.reg_block == 0 or pow2(self.reg_block))):
             raise ValueError(f"bad triton top-k tuning {self}")
 
 
@@ -326,22 +340,91 @@ def row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key
 
 
 @triton.jit
-def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr,
-                out_ptr, K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
+def register_topk(base, n, take, ck, ci, out_row, K: tl.constexpr, KP: tl.constexpr, REG: tl.constexpr):
+    """The top-k of a row of n <= REG scores at base into out_row[0, K), the row read once
+    into registers (the module's docstring); ck / ci: the row's selected buffer, >= KP."""
+    offs = tl.arange(0, REG)
+    m = offs < n
+    key = tl.where(m, order_key(tl.load(base + offs, mask=m, other=0.0)), 0)     # [REG] u32, 0 outside
+    kmin = tl.min(tl.where(key == 0, 0xFFFFFFFF, key), axis=0)
+    kmax = tl.max(key, axis=0)
+    # p: the largest value that at least `take` keys reach (the take-th best key), fixed
+    # from the top bit down; reached = how many reach p. Every valid key is >= 1 and the
+    # keys outside the row are 0, so a count against cand > kmin sees only the row.
+    p = kmin * 0
+    reached = n
+    bit = n * 0 + 31
+    while (bit >= 0) & (reached != take):
+        cand = p | (tl.full((), 1, tl.uint32) << bit.to(tl.uint32))
+        if (cand > kmin) & (cand <= kmax):
+            c = tl.sum((key >= cand).to(tl.int32), axis=0)
+        else:
+            c = tl.where(cand <= kmin, n, 0)
+        up = c >= take
+        p = tl.where(up, cand, p)
+        reached = tl.where(up, c, reached)
+        bit -= 1
+    # the keys above p, then the first ties at p by id (all of them when exactly take reach p);
+    # p is 0 only when take == n: then every key of the row, none outside
+    sel = key >= tl.maximum(p, 1)
+    if reached != take:
+        gt = key > p
+        eq = key == p
+        need = take - tl.sum(gt.to(tl.int32), axis=0)
+        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(ck + pos, key, mask=sel)
+    tl.store(ci + pos, offs, mask=sel)
+    tl.debug_barrier()
+    i = tl.arange(0, KP)
+    ok = i < take
+    v = (tl.load(ck + i, mask=ok, other=0).to(tl.uint64) << 32) | \
+        (~tl.load(ci + i, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
+    v = tl.sort(tl.where(ok, v, 0), descending=True)
+    ids = tl.where(ok, (~v.to(tl.uint32)).to(tl.int32), -1)
+    tl.store(out_row + i, ids, mask=i < K)
+
+
+@triton.jit
+def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, out_in_ptr, sel_key_ptr, sel_id_ptr,
+                group_ptr, out_ptr, K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
                 GROUP: tl.constexpr, STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr,
-                NB: tl.constexpr, SMALL: tl.constexpr, REVERSE: tl.constexpr):
+                NB: tl.constexpr, SMALL: tl.constexpr, REVERSE: tl.constexpr, REG: tl.constexpr,
+                LONG: tl.constexpr):
     # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; maxima: [n_rows, n_groups] u32 (the
     # order key's maximum of the columns workspace.group_columns(g); read only with MAXIMA);
+    # out_in: the output of the register launch (aliased to out) or unused;
     # sel_key / sel_id: [n_rows, SEL_W] u32 / i32 scratch (each row its own: [0, KP) the answer,
     # [KP, 2 KP) the edge bin, with MAXIMA [2 KP, 2 KP + CAP) the candidates); group:
-    # [n_rows, CAP] i32 scratch with MAXIMA (the listed groups); out: [n_rows, K] i32
+    # [n_rows, CAP] i32 scratch with MAXIMA (the listed groups); out: [n_rows, K] i32.
+    # REG > 0: LONG False takes the rows of at most REG scores (the register form), LONG True
+    # the others; each leaves the other's rows of out as they are.
     pid = tl.program_id(0)
     row = (n_rows - 1 - pid) if REVERSE else pid
-    row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr,
-             out_ptr + row.to(tl.int64) * K, K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
+    out_row = out_ptr + row.to(tl.int64) * K
+    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
+    if REG == 0:
+        row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr,
+                 out_row, K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
+    elif LONG:
+        if n > REG:
+            row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr,
+                     group_ptr, out_row, K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
+    else:
+        if n <= REG:
+            register_topk(logits_ptr + row.to(tl.int64) * n_cols, n, tl.minimum(n, K),
+                          sel_key_ptr + row.to(tl.int64) * SEL_W, sel_id_ptr + row.to(tl.int64) * SEL_W, out_row,
+                          K, KP, REG)
 
 
+DEFAULT = Tuning()                           # the prefill chunks' shape (select_tokens)
 WHOLE_ROW = Tuning(block=1024, bins=64)      # without maxima: every walk covers the whole row
+
+
+def needs_maxima(n_cols: int, tune: Tuning) -> bool:
+    """Whether rows of up to n_cols scores take group maxima: only rows longer than the
+    register form's REG walk through the maxima's floor."""
+    return n_cols > tune.reg_block
 
 
 def consts(k, cap, sel_w, tune, maxima):
@@ -359,7 +442,8 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
     columns; ``prefill_logits`` writes them). An entry below its columns' maximum makes
     the result wrong; entries above it only cost time. Returns [rows, k] i32:
     descending score, ties by ascending id, -1 padded.
-    ``tune`` None: Tuning() with maxima, WHOLE_ROW without (docs/benchmarks.md)."""
+    Rows of at most ``tune.reg_block`` scores take the register form whether or not
+    maxima come. ``tune`` None: DEFAULT with maxima, WHOLE_ROW without (docs/benchmarks.md)."""
     rows, n = logits.shape
     kp = padded_k(k)
     cap = workspace.candidate_cap(k)
@@ -369,18 +453,30 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
         return jnp.full((rows, k), -1, jnp.int32)
     n_groups = workspace.maxima_cols(n)
     if tune is None:
-        tune = WHOLE_ROW if maxima is None else Tuning()
+        tune = WHOLE_ROW if maxima is None else DEFAULT
     if maxima is None:
         maxima_in, sel_w, groups = jnp.zeros((1,), jnp.uint32), 2 * kp, 1
     else:
         if maxima.shape != (rows, n_groups) or maxima.dtype != jnp.uint32:
             raise ValueError(f"maxima must be [{rows}, {n_groups}] uint32, got {maxima.shape} {maxima.dtype}")
         maxima_in, sel_w, groups = maxima, 2 * kp + cap, rows * cap
-    out = _call.run_read(
-        topk_kernel, (rows, n, n_groups), (logits, lengths.astype(jnp.int32), maxima_in),
-        (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
-         jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows, k), jnp.int32)),
-        grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
-        constexprs=dict(consts(k, cap, sel_w, tune, maxima is not None), REVERSE=tune.reverse))
-    return out[3]
+    lengths = lengths.astype(jnp.int32)
+    reg = min(tune.reg_block, 1 << (n - 1).bit_length())   # >= n: the register launch takes every row
 
+    def launch(out_in, reg_, long_, with_maxima):
+        mx_, sel_w_, groups_ = (maxima_in, sel_w, groups) if with_maxima else (jnp.zeros((1,), jnp.uint32), 2 * kp, 1)
+        aliased = out_in is not None
+        return _call.run_read(
+            topk_kernel, (rows, n, n_groups), (logits, lengths, mx_, out_in if aliased else lengths),
+            (jax.ShapeDtypeStruct((rows, sel_w_), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w_), jnp.int32),
+             jax.ShapeDtypeStruct((groups_,), jnp.int32), jax.ShapeDtypeStruct((rows, k), jnp.int32)),
+            grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
+            input_output_aliases={3: 3} if aliased else None,
+            constexprs=dict(consts(k, cap, sel_w_, tune, with_maxima), REVERSE=tune.reverse, REG=reg_, LONG=long_))[3]
+
+    if reg == 0:
+        return launch(None, 0, False, maxima is not None)
+    out = launch(None, reg, False, False)                          # the rows of at most reg scores
+    if reg < n:
+        out = launch(out, reg, True, maxima is not None)           # the longer rows, into the same output
+    return out
