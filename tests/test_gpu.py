@@ -13,8 +13,8 @@ import pytest
 from glm5_jax import ops, reference as ref
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
-from glm5_jax.testing import Scenario
-from write_cases import assert_pools_golden, assert_updates_in_place, large_layout, many_pools_case, write_ops
+from write_cases import (assert_pools_golden, assert_updates_in_place, large_layout, last_blocks_scenario,
+                         many_pools_case, write_ops)
 
 pytestmark = pytest.mark.gpu
 
@@ -31,10 +31,7 @@ def test_large_cache_writes_past_2gib(rng, gib):
     blocks = 4096
     layout, layer = large_layout(gib, blocks)
     assert layout.index_base_bytes(layer) >= 2**31
-    sc = Scenario.random(rng, layout, [2000, 999, 5], layer=layer)
-    # put one request in the very last blocks
-    sc.requests[0].index_blocks = np.array([blocks - 3, blocks - 2])
-    sc.requests[0].tail_block = blocks - 1
+    sc = last_blocks_scenario(rng, layout, layer, [2000, 999, 5])          # request 0 in the very last blocks
     pre = sc.prefill([1990, 999, 5])
     st = sc.decode([1990, 999, 5], [4, 0, 0], 4)
     out = {}

@@ -26,8 +26,9 @@ from pallas_kernels.core import addressing as addr
 from pallas_kernels.core.strides import VIEW_COLS, WORD_BYTES
 from pallas_kernels.triton_lang import _call
 from write_cases import (CASES, SENTINEL, as_bytes, assert_pools_golden, assert_same_snapshots,
-                         assert_updates_in_place, check_padded_stride, large_layout, many_pools_case, ops_writers,
-                         random_workload, request_ends_case, run_writes, tile_case, write_ops)
+                         assert_updates_in_place, check_padded_stride, large_layout, last_blocks_scenario,
+                         many_pools_case, ops_writers, random_workload, request_ends_case, run_writes, tile_case,
+                         write_ops)
 
 ON_GPU = jax.default_backend() == "gpu"
 WRITE_OPS = ("seed_tail", "compress_prefill", "decode_update")
@@ -166,9 +167,7 @@ def test_triton_large_cache(rng, gib):
     layout, layer = large_layout(gib, blocks)
     base_bytes = layout.index_base_bytes(layer)
     assert base_bytes >= 2**31 and (gib < 9 or base_bytes // 4 >= 2**31)
-    sc = Scenario.random(rng, layout, [2000, 999, 5], layer=layer)
-    sc.requests[0].index_blocks = np.array([blocks - 3, blocks - 2])     # the very last blocks
-    sc.requests[0].tail_block = blocks - 1
+    sc = last_blocks_scenario(rng, layout, layer, [2000, 999, 5])          # request 0 in the very last blocks
     pre = sc.prefill([1990, 999, 5])
     st = sc.decode([1990, 999, 5], [4, 0, 0], 4)
     out = {}

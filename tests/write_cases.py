@@ -228,3 +228,21 @@ def large_layout(gib: int, blocks: int = 4096):
     cfg = IndexerConfig()
     layers = -(-gib * 2**30 // (blocks * cfg.index_block_bytes))
     return CacheLayout(cfg, num_layers=layers, num_blocks=blocks), layers - 1
+
+
+def last_blocks_scenario(rng, layout, layer: int, lengths_tokens):
+    """Scenario.random whose first request owns the layout's last three blocks (two
+    indexer blocks, then its tail block): a block another request drew there trades
+    places with one the first request gave up, so no two requests share a block."""
+    sc = Scenario.random(rng, layout, lengths_tokens, layer=layer)
+    blocks = layout.num_blocks
+    last = [blocks - 3, blocks - 2, blocks - 1]
+    first = sc.requests[0]
+    freed = [b for b in [*first.index_blocks, first.tail_block] if b not in last]
+    for r in sc.requests[1:]:
+        r.index_blocks = np.array([freed.pop() if b in last else b for b in r.index_blocks])
+        if r.tail_block in last:
+            r.tail_block = freed.pop()
+    first.index_blocks = np.array(last[:2])
+    first.tail_block = last[2]
+    return sc
