@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from glm5_jax import ops
-from write_cases import (CASES, SENTINEL, as_bytes, assert_same_snapshots, check_padded_stride, ops_writers,
-                         random_workload, run_writes)
+from glm5_jax.config import IndexerConfig
+from glm5_jax.layout import CacheLayout
+from write_cases import (CASES, SENTINEL, as_bytes, assert_same_snapshots, check_padded_stride,
+                         last_blocks_scenario, ops_writers, random_workload, run_writes)
 
 
 @pytest.mark.parametrize("cfg, lay", CASES)
@@ -140,8 +142,6 @@ def test_decode_update_apes_in_branch_follows_the_walk(rng):
     compiled kernels of the two forms never share a cache entry)."""
     _check_odd_batches(rng, 4, 0, path="forward", apes_in_branch=True)
     # the flag reaches the kernel: the two forms lower to different programs
-    from glm5_jax.config import IndexerConfig
-    from glm5_jax.layout import CacheLayout
     from pallas_kernels.writes.decode_update import decode_update as kernel
     layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=4)
     z, row = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1, 128), jnp.bfloat16)
@@ -378,3 +378,17 @@ def test_write_bytes_do_not_depend_on_the_cpu_emitters(rng):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-1] == digest(seed), f"seed {seed}: the default emitters wrote other bytes"
+
+
+@pytest.mark.parametrize("first_tokens", [5, 1000, 2000, 3000])
+def test_last_blocks_scenario_gives_the_first_request_the_last_blocks_alone(rng, first_tokens):
+    """The large-cache tests' scenario: request 0 owns the layout's last blocks and no two
+    requests share a block, on a layout small enough that the random draw lands there."""
+    layout = CacheLayout(IndexerConfig(), num_layers=1, num_blocks=14)
+    for _ in range(50):
+        sc = last_blocks_scenario(rng, layout, 0, [first_tokens, 999, 5])
+        held = [b for r in sc.requests for b in [*r.index_blocks, r.tail_block]]
+        assert len(held) == len(set(held))
+        first = sc.requests[0]
+        mine = [*first.index_blocks, first.tail_block]
+        assert mine == list(range(layout.num_blocks - len(mine), layout.num_blocks))

@@ -231,18 +231,18 @@ def large_layout(gib: int, blocks: int = 4096):
 
 
 def last_blocks_scenario(rng, layout, layer: int, lengths_tokens):
-    """Scenario.random whose first request owns the layout's last three blocks (two
-    indexer blocks, then its tail block): a block another request drew there trades
-    places with one the first request gave up, so no two requests share a block."""
+    """Scenario.random whose first request owns the layout's last blocks (its indexer
+    blocks, then its tail block, as many as it drew): a block another request drew there
+    trades places with one the first request gave up, so no two requests share a block."""
     sc = Scenario.random(rng, layout, lengths_tokens, layer=layer)
-    blocks = layout.num_blocks
-    last = [blocks - 3, blocks - 2, blocks - 1]
     first = sc.requests[0]
-    freed = [b for b in [*first.index_blocks, first.tail_block] if b not in last]
+    mine = [*first.index_blocks, first.tail_block]
+    last = list(range(layout.num_blocks - len(mine), layout.num_blocks))
+    freed = [b for b in mine if b not in last]          # as many as the others hold of `last`
     for r in sc.requests[1:]:
         r.index_blocks = np.array([freed.pop() if b in last else b for b in r.index_blocks])
         if r.tail_block in last:
             r.tail_block = freed.pop()
-    first.index_blocks = np.array(last[:2])
-    first.tail_block = last[2]
+    first.index_blocks = np.array(last[:-1])
+    first.tail_block = last[-1]
     return sc
