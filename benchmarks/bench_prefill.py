@@ -127,10 +127,10 @@ def shapes():
     """The row top-k's launch shapes timed by --shapes: (label, Tuning)."""
     from pallas_kernels.triton_lang import topk_rows as tct
     T = tct.Tuning
-    return (("floor, no registers", T(reg_block=0)),
-            ("registers 2048", T(reg_block=2048)),
-            ("registers 4096", T(reg_block=4096)),
-            ("registers 8192", T(reg_block=8192)))
+    return (("floor, no registers", T(reg_pools=0)),
+            ("registers 2048", T(reg_pools=2048)),
+            ("registers 4096", T(reg_pools=4096)),
+            ("registers 8192", T(reg_pools=8192)))
 
 
 def bench_shapes(cfg, tokens, mm):

@@ -360,7 +360,7 @@ def _tc_topk_with_maxima(x, lengths, k, mx):
     """The row top-k with maxima and no register form: every row of >= k whole groups
     through the maxima's floor."""
     from pallas_kernels.triton_lang import topk_rows
-    tune = topk_rows.Tuning(reg_block=0)
+    tune = topk_rows.Tuning(reg_pools=0)
     return np.asarray(jax.jit(lambda a, l, m: topk_rows.topk_pools(a, l, k, m, tune=tune))(
         jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))
 
@@ -398,9 +398,9 @@ def test_tc_topk_with_maxima_equals_the_reference(rng, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [64, 512, 2048])
-@pytest.mark.parametrize("reg_block, warps", [(4096, 4), (8192, 8), (2048, 4)])
-def test_tc_topk_in_registers_equals_the_reference(rng, k, reg_block, warps):
-    """Rows of at most reg_block scores, held in registers (adversarial keys: ties at the
+@pytest.mark.parametrize("reg_pools, warps", [(4096, 4), (8192, 8), (2048, 4)])
+def test_tc_topk_in_registers_equals_the_reference(rng, k, reg_pools, warps):
+    """Rows of at most reg_pools scores, held in registers (adversarial keys: ties at the
     k-th best, plateaus of zeros, NaN, +-inf, huge and tiny, every key equal), and the
     longer rows, in a second launch over the same output (through the maxima's floor,
     or over the whole row where it has fewer than k whole groups or comes without
@@ -408,20 +408,20 @@ def test_tc_topk_in_registers_equals_the_reference(rng, k, reg_block, warps):
     length never count."""
     _require_triton()
     from pallas_kernels.triton_lang import topk_rows
-    rows, n = 30, reg_block + 3 * 1024
+    rows, n = 30, reg_pools + 3 * 1024
     x = adversarial_scores(rng, rows, n)
     x[8] = np.sort(x[8])                                         # increasing: the best at the end
     x[9] = np.where(rng.random(n) < 0.02, rng.standard_normal(n), 0.0).astype(np.float32)   # sparse + zeros
     x[10] = np.round(x[10] * 64) / 64                            # ties across the k-th best
-    lengths = rng.integers(0, reg_block + 1, rows).astype(np.int32)
-    lengths[:11] = reg_block                                     # the longest the registers hold
+    lengths = rng.integers(0, reg_pools + 1, rows).astype(np.int32)
+    lengths[:11] = reg_pools                                     # the longest the registers hold
     lengths[11], lengths[12], lengths[13], lengths[14] = 0, k - 1, k, k + 1
-    lengths[15], lengths[16], lengths[17] = reg_block + 1, n, n + 100     # the second launch's rows
-    lengths[18] = reg_block - 40
-    x[18, reg_block - 40:] = 1e38                                # larger than all, past the length
+    lengths[15], lengths[16], lengths[17] = reg_pools + 1, n, n + 100     # the second launch's rows
+    lengths[18] = reg_pools - 40
+    x[18, reg_pools - 40:] = 1e38                                # larger than all, past the length
     lengths[19] = 1
     want = np_topk(x, np.maximum(lengths, 0), k)
-    tune = topk_rows.Tuning(reg_block=reg_block, num_warps=warps)
+    tune = topk_rows.Tuning(reg_pools=reg_pools, num_warps=warps)
     mx = jnp.asarray(group_maxima(x))
     f = jax.jit(lambda a, l, m: topk_rows.topk_pools(a, l, k, m, tune=tune))
     got = np.asarray(f(jnp.asarray(x), jnp.asarray(lengths), mx))
@@ -636,16 +636,16 @@ def _select(layout, layer, impl, ws=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reg_block", [None, 1024])
-def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_block):
+@pytest.mark.parametrize("reg_pools", [None, 1024])
+def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_pools):
     """Prefill of one request: the selected pools equal the golden selection on every
     decided row, the tail columns equal the reference's, determinism run to run; with
     the default shape every row fits the register form (no maxima), with 1024 the
     longer rows go through the logits kernel's maxima."""
     _require_triton()
-    if reg_block is not None:
+    if reg_pools is not None:
         from pallas_kernels.triton_lang import topk_rows
-        monkeypatch.setattr(topk_rows, "DEFAULT", topk_rows.Tuning(reg_block=reg_block))
+        monkeypatch.setattr(topk_rows, "DEFAULT", topk_rows.Tuning(reg_pools=reg_pools))
     layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, n=300, max_pages=40)
     c = layout.config
     n_pools = table.shape[1] * s.page_rows

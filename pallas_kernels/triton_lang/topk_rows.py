@@ -11,7 +11,7 @@ writes ONLY its row of the output and of its private buffers (outputs of the cal
 One program per row, rows taken longest first (``reverse``: prefill chunks hold
 rows in causal order).
 
-A row of at most REG scores (``Tuning.reg_block``; 0 turns the form off) is read once,
+A row of at most REG scores (``Tuning.reg_pools``; 0 turns the form off) is read once,
 into registers, and never again: its take-th best key comes from a bit-by-bit search
 (the largest key that at least take of the row's keys reach; one block-wide count per
 bit between the row's least and largest key, ending early when exactly take keys
@@ -84,12 +84,12 @@ class Tuning:
     bins: int = 32
     small: int = 128
     reverse: bool = True
-    reg_block: int = 4096
+    reg_pools: int = 4096
 
     def __post_init__(self):
         pow2 = lambda v: isinstance(v, int) and v >= 16 and not v & (v - 1)   # noqa: E731
         if not (pow2(self.block) and self.num_warps in (1, 2, 4, 8, 16) and pow2(self.bins) and pow2(self.small)
-                and (self.reg_block == 0 or pow2(self.reg_block))):
+                and (self.reg_pools == 0 or pow2(self.reg_pools))):
             raise ValueError(f"bad triton top-k tuning {self}")
 
 
@@ -185,6 +185,19 @@ def _maxima_floor(mrow, ng, take, BLOCK: tl.constexpr, NB: tl.constexpr):
         up = m & ((b1 > c1) | ((b1 == c1) & (b2 >= c2)))
         floor = tl.minimum(floor, tl.min(tl.where(up, key, 0xFFFFFFFF), axis=0))
     return floor
+
+
+@triton.jit
+def _write_sorted(ck, ci, take, out_row, K: tl.constexpr, KP: tl.constexpr):
+    """The `take` selected (key, id) pairs at ck / ci[0, take) into out_row[0, K): by
+    descending key, ties by ascending id, then -1."""
+    i = tl.arange(0, KP)
+    ok = i < take
+    v = (tl.load(ck + i, mask=ok, other=0).to(tl.uint64) << 32) | \
+        (~tl.load(ci + i, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
+    v = tl.sort(tl.where(ok, v, 0), descending=True)
+    ids = tl.where(ok, (~v.to(tl.uint32)).to(tl.int32), -1)
+    tl.store(out_row + i, ids, mask=i < K)
 
 
 @triton.jit
@@ -330,13 +343,7 @@ def row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key
             cg += tl.sum(gt.to(tl.int32), axis=0)
             cq += tl.sum(eq.to(tl.int32), axis=0)
     tl.debug_barrier()
-    i = tl.arange(0, KP)
-    ok = i < take
-    v = (tl.load(ck + i, mask=ok, other=0).to(tl.uint64) << 32) | \
-        (~tl.load(ci + i, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
-    v = tl.sort(tl.where(ok, v, 0), descending=True)
-    ids = tl.where(ok, (~v.to(tl.uint32)).to(tl.int32), -1)
-    tl.store(out_row + i, ids, mask=i < K)
+    _write_sorted(ck, ci, take, out_row, K, KP)
 
 
 @triton.jit
@@ -376,13 +383,7 @@ def register_topk(base, n, take, ck, ci, out_row, K: tl.constexpr, KP: tl.conste
     tl.store(ck + pos, key, mask=sel)
     tl.store(ci + pos, offs, mask=sel)
     tl.debug_barrier()
-    i = tl.arange(0, KP)
-    ok = i < take
-    v = (tl.load(ck + i, mask=ok, other=0).to(tl.uint64) << 32) | \
-        (~tl.load(ci + i, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
-    v = tl.sort(tl.where(ok, v, 0), descending=True)
-    ids = tl.where(ok, (~v.to(tl.uint32)).to(tl.int32), -1)
-    tl.store(out_row + i, ids, mask=i < K)
+    _write_sorted(ck, ci, take, out_row, K, KP)
 
 
 @triton.jit
@@ -424,7 +425,7 @@ WHOLE_ROW = Tuning(block=1024, bins=64)      # without maxima: every walk covers
 def needs_maxima(n_cols: int, tune: Tuning) -> bool:
     """Whether rows of up to n_cols scores take group maxima: only rows longer than the
     register form's REG walk through the maxima's floor."""
-    return n_cols > tune.reg_block
+    return n_cols > tune.reg_pools
 
 
 def consts(k, cap, sel_w, tune, maxima):
@@ -442,7 +443,7 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
     columns; ``prefill_logits`` writes them). An entry below its columns' maximum makes
     the result wrong; entries above it only cost time. Returns [rows, k] i32:
     descending score, ties by ascending id, -1 padded.
-    Rows of at most ``tune.reg_block`` scores take the register form whether or not
+    Rows of at most ``tune.reg_pools`` scores take the register form whether or not
     maxima come. ``tune`` None: DEFAULT with maxima, WHOLE_ROW without (docs/benchmarks.md)."""
     rows, n = logits.shape
     kp = padded_k(k)
@@ -461,7 +462,7 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
             raise ValueError(f"maxima must be [{rows}, {n_groups}] uint32, got {maxima.shape} {maxima.dtype}")
         maxima_in, sel_w, groups = maxima, 2 * kp + cap, rows * cap
     lengths = lengths.astype(jnp.int32)
-    reg = min(tune.reg_block, 1 << (n - 1).bit_length())   # >= n: the register launch takes every row
+    reg = min(tune.reg_pools, 1 << (n - 1).bit_length())   # >= n: the register launch takes every row
 
     def launch(out_in, reg_, long_, with_maxima):
         mx_, sel_w_, groups_ = (maxima_in, sel_w, groups) if with_maxima else (jnp.zeros((1,), jnp.uint32), 2 * kp, 1)
