@@ -672,8 +672,8 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
 
 def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=None):
     """select_tokens' frame shared by the kernel implementations: the causal fill, or
-    ``token_ids(seq, k)`` ([B, n] tokens -> [B, n, width] token indices, expanded by its
-    own kernels; None where it does not apply), or else ``pool_ids(ctx, k)`` ([B, n]
+    ``token_ids(positions, k)`` ([B, n] positions -> [B, n, width] token indices, expanded
+    by its own kernels; None where it does not apply), or else ``pool_ids(ctx, k)`` ([B, n]
     visible pools -> [B, n, k] selected pool ids) expanded to tokens by the expansion
     kernel; ``short`` as ``reference.use_short_path`` returns it."""
     b, n = q8.shape[:2]
@@ -684,10 +684,10 @@ def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_i
         return ref.causal_fill(positions, width).reshape(b * n, width)
 
     def sparse():
-        seq = ref.seq_lens_from_positions(positions)                                # [B, n]
-        tokens = None if token_ids is None else token_ids(seq, k)
+        tokens = None if token_ids is None else token_ids(positions, k)
         if tokens is not None:
             return tokens.reshape(b * n, width)
+        seq = ref.seq_lens_from_positions(positions)                                # [B, n]
         ids = pool_ids(seq // r, k)
         return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
 
@@ -752,7 +752,7 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
 
         return ref.map_query_rows(rows, chunk_of(k), q8, weights, ctx)
 
-    def token_ids(seq, k):                                     # decode rows: the split top-k, expanded
+    def token_ids(pos, k):                                     # decode rows: the split top-k, expanded
         if n >= TC_MIN_ROWS:
             return None
         chunk = chunk_of(k, tokens_per_row=k * r + r - 1)
@@ -760,15 +760,16 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
             return None
         mp = _workspace.split_maxima_pools(n_cols)
 
-        def rows(q, w, cx, sq):                                # [B, chunk] rows -> [B, chunk, width] tokens
-            bb, cn = sq.shape
-            lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True,
-                                            maxima_pools=mp, tune=tc_logits.DECODE)
-            tok = tc_split.select_tokens_split(lg.reshape(bb * cn, -1), cx.reshape(-1), sq.reshape(-1), k,
-                                               mx.reshape(bb * cn, -1), mp, r)
+        def rows(q, w, p):                                     # [B, chunk] rows -> [B, chunk, width] tokens
+            bb, cn = p.shape                                   # (the kernels read the positions themselves)
+            lg, mx, zeros = tc_logits.paged_logits(cache, s, q, w, page_table_pages, p, fill=False, maxima=True,
+                                                   maxima_pools=mp, tune=tc_logits.DECODE, positions_kpool=r,
+                                                   counters=True)
+            tok = tc_split.select_tokens_split(lg.reshape(bb * cn, -1), p.reshape(-1), k, mx.reshape(bb * cn, -1),
+                                               mp, r, zeros.reshape(-1))
             return tok.reshape(bb, cn, -1)
 
-        return ref.map_query_rows(rows, chunk, q8, weights, seq // r, seq)
+        return ref.map_query_rows(rows, chunk, q8, weights, pos)
 
     return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=token_ids)
 

@@ -494,8 +494,9 @@ def test_tc_split_tokens_are_the_expanded_ids(rng, k, rows):
     mx = group_maxima(x)
     mx[4] = 0xFFFFFFFF                                           # a floor no score reaches: no candidates
     lengths = seq // r
-    args = (jnp.asarray(x), jnp.asarray(seq), jnp.asarray(mx))
-    got = np.asarray(jax.jit(lambda a, sq, m: split_topk.select_tokens_split(a, sq // r, sq, k, m, 8, r))(*args))
+    pos = seq - 1                                                # -2 pads like -1
+    args = (jnp.asarray(x), jnp.asarray(pos), jnp.asarray(mx))
+    got = np.asarray(jax.jit(lambda a, p, m: split_topk.select_tokens_split(a, p, k, m, 8, r))(*args))
     ids = np_topk(x, np.maximum(lengths, 0), k)
     np.testing.assert_array_equal(got, np_expand(ids, seq, r))
     np.testing.assert_array_equal(_split_topk(x, lengths, k, mx, 8), ids)
@@ -599,6 +600,48 @@ def test_tc_logits_step_maxima_are_the_step_maxima(rng, case, n):
                 seen = slice(None) if fill else slice(0, -(-c // 64))
                 np.testing.assert_array_equal(mx[b, i, seen], want[b, i, seen])
                 np.testing.assert_array_equal(lg[b, i, :c], plain[b, i, :c])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TC_CASES[:3])
+@pytest.mark.parametrize("n", [1, 3])
+def test_tc_decode_logits_read_positions_and_zero_the_counters(rng, case, n):
+    """The decode form of paged_logits: positions in place of contexts (row p sees
+    (p + 1) // kpool pools, -1 pads) give the logits and maxima of the contexts they
+    mean, and ``counters`` comes back zero in every row, written over memory that held
+    -1 just before, and counts the candidates of split_candidates from zero."""
+    _require_triton()
+    from pallas_kernels.triton_lang import prefill_logits, split_topk
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=3, n=n, max_pages=40, **case)
+    r = layout.config.kpool
+    pos = (ctx * r + rng.integers(0, r, ctx.shape) - 1).astype(np.int32)
+    pos[ctx == 0] = rng.choice([-1, -5, r - 2], (ctx == 0).sum())    # padding, and a tail with no pool
+    ctx = np.maximum(pos + 1, 0) // r
+    pools = 64
+    lg, mx = jax.jit(lambda *a: prefill_logits.paged_logits(*a, fill=False, maxima=True, maxima_pools=pools,
+                                                            tune=prefill_logits.DECODE),
+                     static_argnums=1)(cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
+    junk = jnp.full((64 << 20,), -1, jnp.int32).block_until_ready()    # freed: the next outputs may land on it
+    del junk
+    lg_p, mx_p, zeros = jax.jit(lambda *a: prefill_logits.paged_logits(
+        *a, fill=False, maxima=True, maxima_pools=pools, tune=prefill_logits.DECODE, positions_kpool=r,
+        counters=True), static_argnums=1)(cache, s, q8, wf, jnp.asarray(table), jnp.asarray(pos))
+    lg, mx, lg_p, mx_p, zeros = (np.asarray(a) for a in (lg, mx, lg_p, mx_p, zeros))
+    assert zeros.shape == ctx.shape and (zeros == 0).all()
+    for b in range(ctx.shape[0]):
+        for i in range(n):
+            c = int(ctx[b, i])
+            np.testing.assert_array_equal(lg_p[b, i, :c], lg[b, i, :c])
+            np.testing.assert_array_equal(mx_p[b, i, :-(-c // 64)], mx[b, i, :-(-c // 64)])
+    k = 16
+    rows = ctx.size
+    cnt = np.asarray(jax.jit(lambda x, p, m, z: split_topk.split_candidates(x, p, k, m, pools, kpool=r, counters=z))(
+        jnp.asarray(lg_p.reshape(rows, -1)), jnp.asarray(pos.reshape(-1)), jnp.asarray(mx_p.reshape(rows, -1)),
+        jnp.asarray(zeros.reshape(-1)))[2])
+    want = np.asarray(jax.jit(lambda x, l, m: split_topk.split_candidates(x, l, k, m, pools))(
+        jnp.asarray(lg.reshape(rows, -1)), jnp.asarray(ctx.reshape(-1)), jnp.asarray(mx.reshape(rows, -1)))[2])
+    np.testing.assert_array_equal(cnt, want)
+    assert (want > 0).any()
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@
 
 Pool m of request b is row m % P of page page_table[b, m // P].
 
-Reads ONLY: the query rows, weights and context lengths of its programs, the
+Reads ONLY: the query rows, weights and context lengths (or positions) of its programs, the
 page-table entries of the pages a row can see (``addressing.page_entries``), and
 those pages' 128-byte keys and 4-byte scales. Writes ONLY its output
 [B, n, max_pages * P] f32: with ``fill`` every element (-inf outside a row's
@@ -12,7 +12,8 @@ context); without it only the columns below each program's longest context (the
 top-k that follows reads a row only below its length). With ``maxima`` it also
 writes, beside the logits of every step, the largest order key of each group of 8
 of the step's 64 columns (``workspace.group_columns``), or with maxima_pools 64 of
-the whole step, from which the Triton top-k takes its floor.
+the whole step, from which the Triton top-k takes its floor. With ``counters`` it
+writes a zero per query row for the split top-k's candidate counters.
 
 Grid: (ceil(n / BQ), ceil(max_pages / PAGES), B), PAGES shrinking for small decode
 grids (``launch_shape``). A program holds BQ query rows of
@@ -82,16 +83,18 @@ def _word_index(row, col, VIEW_COLS: tl.constexpr):
 
 @triton.jit
 def paged_logits_kernel(n, n_cols, n_pages, n_groups,
-                        ctx_ptr, q_ptr, w_ptr, pages_ptr, cache_ptr, out_ptr, max_ptr,
+                        ctx_ptr, q_ptr, w_ptr, pages_ptr, cache_ptr, out_ptr, max_ptr, zero_ptr,
                         HP: tl.constexpr, P: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr,
                         PAGES: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr, FILL: tl.constexpr,
-                        MAXIMA: tl.constexpr, MG: tl.constexpr, KEY_WORDS: tl.constexpr,
-                        VIEW_COLS: tl.constexpr):
+                        MAXIMA: tl.constexpr, MG: tl.constexpr, POS_R: tl.constexpr, ZEROS: tl.constexpr,
+                        KEY_WORDS: tl.constexpr, VIEW_COLS: tl.constexpr):
     # n, n_cols, n_pages, n_groups: i32 query rows per request, output columns (n_pages * P),
     # page-table columns, group maxima per row (workspace.maxima_cols(n_cols))
-    # ctx: [B, n] i32 visible pools; q: [B * n * HP, 128] u8 (e4m3 codes); w: [B * n * HP] f32;
+    # ctx: [B, n] i32 visible pools, or with POS_R > 0 positions (-1: padding), the row seeing
+    # (p + 1) // POS_R pools; q: [B * n * HP, 128] u8 (e4m3 codes); w: [B * n * HP] f32;
     # pages: [B, n_pages, 4] i32 (addressing.page_entries); cache: [total_words] u32 (read only);
-    # out: [B, n, n_cols] f32; max: [B, n, n_groups] u32 (written with MAXIMA)
+    # out: [B, n, n_cols] f32; max: [B, n, n_groups] u32 (written with MAXIMA); zero: [B, n] i32
+    # (written with ZEROS, by the programs of the first page-table columns: 0 per row)
     N: tl.constexpr = BQ * HP
     M: tl.constexpr = G * P
     b = tl.program_id(2)
@@ -99,8 +102,13 @@ def paged_logits_kernel(n, n_cols, n_pages, n_groups,
     rows = row0 + tl.arange(0, BQ)
     row_ok = rows < n
     brow = b.to(tl.int64) * n
-    ctx = tl.load(ctx_ptr + brow + rows, mask=row_ok, other=0)   # [BQ]
-    ctx = tl.maximum(ctx, 0)
+    if POS_R > 0:
+        ctx = tl.maximum(tl.load(ctx_ptr + brow + rows, mask=row_ok, other=-1) + 1, 0) // POS_R   # [BQ]
+    else:
+        ctx = tl.maximum(tl.load(ctx_ptr + brow + rows, mask=row_ok, other=0), 0)               # [BQ]
+    if ZEROS:
+        if tl.program_id(1) == 0:
+            tl.store(zero_ptr + brow + rows, tl.zeros((BQ,), tl.int32), mask=row_ok)
     need = tl.minimum((tl.max(ctx, axis=0) + P - 1) // P, n_pages)
     c0 = tl.program_id(1) * PAGES
     c1 = tl.minimum(c0 + PAGES, need)
@@ -200,33 +208,45 @@ def launch_shape(s: CacheStrides, hp: int, n: int, max_pages: int, tune: Tuning,
                       STAGES=tune.stages, KEY_WORDS=addr.KEY_WORDS, VIEW_COLS=_VIEW_COLS)
 
 
-@functools.partial(jax.jit, static_argnames=("s", "fill", "maxima", "maxima_pools", "tune"))
+@functools.partial(jax.jit, static_argnames=("s", "fill", "maxima", "maxima_pools", "tune", "positions_kpool",
+                                             "counters"))
 def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, *, fill: bool = True,
-                 maxima: bool = False, maxima_pools: int = workspace.MAXIMA_GROUP_POOLS, tune: Tuning = Tuning()):
+                 maxima: bool = False, maxima_pools: int = workspace.MAXIMA_GROUP_POOLS, tune: Tuning = Tuning(),
+                 positions_kpool: int = 0, counters: bool = False):
     """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32;
-    page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32.
+    page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32, or with
+    ``positions_kpool`` = kpool each row's position (-1: padding), the row seeing
+    (p + 1) // kpool pools (the decode path reads positions as they come: no XLA kernel
+    computes the contexts).
     Returns logits [B, n, max_pages * page_rows] f32 (see the module docstring for
     ``fill``); with ``maxima`` also [B, n, workspace.maxima_cols(n_cols, maxima_pools)]
     u32 (written where the logits are): with maxima_pools 8, entry g the largest
     ``order_key`` of the logits in ``workspace.group_columns(g)``; with 64, entry s that
-    of columns 64 s .. 64 s + 63."""
+    of columns 64 s .. 64 s + 63; with ``counters`` last [B, n] i32 zeros, written by
+    the kernel: the split top-k's candidate counters, without a launch of their own."""
     b, n, hp, _ = q8.shape
     max_pages = page_table_pages.shape[1]
     check_geometry(s, hp)
     n_cols = addr.pools_in_pages(s, max_pages)
     n_groups = workspace.maxima_cols(n_cols, maxima_pools)
+    if not isinstance(positions_kpool, int) or positions_kpool < 0:
+        raise ValueError(f"positions_kpool must be 0 (contexts in pools) or the kpool, got {positions_kpool!r}")
     if b == 0 or n == 0 or max_pages == 0:
-        lg = jnp.full((b, n, n_cols), -jnp.inf, jnp.float32)
-        return (lg, jnp.full((b, n, n_groups), NEG_INF_KEY.value, jnp.uint32)) if maxima else lg
-    grid, consts = launch_shape(s, hp, n, max_pages, tune, batch=b)
-    q_codes = jax.lax.bitcast_convert_type(q8, jnp.uint8).reshape(b * n * hp, nm.HEAD_DIM)
-    shapes = (jax.ShapeDtypeStruct((b, n, n_cols), jnp.float32),
-              jax.ShapeDtypeStruct((b, n, n_groups) if maxima else (1,), jnp.uint32))
-    lg, mx = _call.run_read(
-        paged_logits_kernel, (n, n_cols, max_pages, n_groups),
-        (context_pools.astype(jnp.int32), q_codes, weights.astype(jnp.float32).reshape(-1),
-         addr.page_entries(s, page_table_pages.astype(jnp.int32)), cache),
-        shapes, grid=grid + (b,), num_warps=tune.num_warps, num_stages=tune.stages, name="kpool_paged_logits_tc",
-        constexprs=dict(consts, FILL=fill, MAXIMA=maxima,
-                        MG=workspace.MAXIMA_STEP_POOLS // maxima_pools))
-    return (lg, mx) if maxima else lg
+        out = (jnp.full((b, n, n_cols), -jnp.inf, jnp.float32),
+               jnp.full((b, n, n_groups), NEG_INF_KEY.value, jnp.uint32), jnp.zeros((b, n), jnp.int32))
+    else:
+        grid, consts = launch_shape(s, hp, n, max_pages, tune, batch=b)
+        q_codes = jax.lax.bitcast_convert_type(q8, jnp.uint8).reshape(b * n * hp, nm.HEAD_DIM)
+        shapes = (jax.ShapeDtypeStruct((b, n, n_cols), jnp.float32),
+                  jax.ShapeDtypeStruct((b, n, n_groups) if maxima else (1,), jnp.uint32),
+                  jax.ShapeDtypeStruct((b, n) if counters else (1,), jnp.int32))
+        out = _call.run_read(
+            paged_logits_kernel, (n, n_cols, max_pages, n_groups),
+            (context_pools.astype(jnp.int32), q_codes, weights.astype(jnp.float32).reshape(-1),
+             addr.page_entries(s, page_table_pages.astype(jnp.int32)), cache),
+            shapes, grid=grid + (b,), num_warps=tune.num_warps, num_stages=tune.stages,
+            name="kpool_paged_logits_tc",
+            constexprs=dict(consts, FILL=fill, MAXIMA=maxima, MG=workspace.MAXIMA_STEP_POOLS // maxima_pools,
+                            POS_R=positions_kpool, ZEROS=counters))
+    picked = (out[0],) + ((out[1],) if maxima else ()) + ((out[2],) if counters else ())
+    return picked if len(picked) > 1 else picked[0]

@@ -30,10 +30,14 @@ FALLBACK = WHOLE_ROW     # the whole-row walk of a row that cannot be ranked (it
 RANK_WARPS = 4
 
 
-def split_candidates(logits, lengths, k: int, maxima, maxima_pools: int, programs: int = workspace.SPLIT_PROGRAMS):
+def split_candidates(logits, lengths, k: int, maxima, maxima_pools: int, programs: int = workspace.SPLIT_PROGRAMS,
+                     *, kpool: int = 0, counters=None):
     """The candidate launch (about `programs` programs, rows x spans,
     ``workspace.split_spans``): (sel_key, sel_id [rows, 2 KP + CAP], count [rows]); row
-    r's count candidates, if count <= CAP, are at [2 KP, 2 KP + count) in no fixed order."""
+    r's count candidates, if count <= CAP, are at [2 KP, 2 KP + count) in no fixed order.
+    lengths: [rows] i32 pools, or with ``kpool`` each row's position (the row's length
+    (p + 1) // kpool pools). counters: [rows] i32 zeros to count into (the logits
+    kernel's, ``prefill_logits.paged_logits(counters=True)``), None for new ones."""
     rows, n = logits.shape
     kp, cap = padded_k(k), workspace.candidate_cap(k)
     sel_w = 2 * kp + cap
@@ -45,39 +49,44 @@ def split_candidates(logits, lengths, k: int, maxima, maxima_pools: int, program
                 jnp.zeros((rows,), jnp.int32))
     if rows > workspace.MAX_GRID_ROWS:
         raise ValueError(f"the split top-k takes at most {workspace.MAX_GRID_ROWS} rows per call, got {rows}")
+    if counters is None:
+        counters = jnp.zeros((rows,), jnp.int32)
+    elif counters.shape != (rows,) or counters.dtype != jnp.int32:
+        raise ValueError(f"counters must be [{rows}] int32, got {counters.shape} {counters.dtype}")
     spans, span_pools = workspace.split_spans(rows, n, topk_candidates.BLOCK, programs)
     return _call.run_read(
         topk_candidates.candidates_kernel, (n, n_maxima, span_pools),
-        (logits, lengths.astype(jnp.int32), maxima, jnp.zeros((rows,), jnp.int32)),
+        (logits, lengths.astype(jnp.int32), maxima, counters),
         (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
          jax.ShapeDtypeStruct((rows,), jnp.int32)),
-        grid=(spans, rows), num_warps=4, num_stages=1, name="kpool_topk_candidates",
+        grid=(spans, rows), num_warps=topk_candidates.WARPS, num_stages=1, name="kpool_topk_candidates",
         input_output_aliases={3: 2},
         constexprs=dict(K=k, KP=kp, CAP=cap, SEL_W=sel_w, POOLS_PER_MAX=maxima_pools,
                         STEP=workspace.MAXIMA_STEP_POOLS, BLOCK=topk_candidates.BLOCK,
                         STAGES=topk_candidates.STAGES,
                         TWO_PASS=span_pools > topk_candidates.TWO_PASS_TILES * topk_candidates.BLOCK,
-                        BLOCK_M=min(workspace.FLOOR_MAXIMA, 1 << max(0, n_maxima - 1).bit_length())))
+                        BLOCK_M=min(workspace.FLOOR_MAXIMA, 1 << max(0, n_maxima - 1).bit_length()),
+                        POS_R=kpool))
 
 
-def _rank(logits, lengths, seq_tokens, k, candidates, kpool):
+def _rank(logits, lengths, k, candidates, kpool, tokens: bool):
     """The rank launch over split_candidates' output: (ids [rows, k], tokens [rows, k kpool
-    + kpool - 1], or [1] without seq_tokens)."""
+    + kpool - 1], or [1] without ``tokens``). lengths: [rows] i32 pools, or with ``tokens``
+    positions."""
     rows, n = logits.shape
     kp, cap = padded_k(k), workspace.candidate_cap(k)
     sel_w = 2 * kp + cap
     sel_key, sel_id, count = candidates
-    tokens = seq_tokens is not None
     width = k * kpool + kpool - 1
     per_row = workspace.rank_programs(rows, cap, topk_rank.TI)
     out = _call.run_read(
         topk_rank.rank_kernel, (n,),
-        (logits, lengths, seq_tokens if tokens else lengths, count, sel_key, sel_id),
+        (logits, lengths, count, sel_key, sel_id),
         (jax.ShapeDtypeStruct((rows, sel_w), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w), jnp.int32),
          jax.ShapeDtypeStruct((rows, k), jnp.int32),
          jax.ShapeDtypeStruct((rows, width) if tokens else (1,), jnp.int32)),
         grid=(rows, per_row), num_warps=RANK_WARPS, num_stages=1, name="kpool_topk_rank",
-        input_output_aliases={4: 0, 5: 1},
+        input_output_aliases={3: 0, 4: 1},
         constexprs=dict(consts(k, cap, sel_w, FALLBACK, False), R=kpool, RP=1 << max(0, kpool - 1).bit_length(),
                         W=width, TOKENS=tokens, TI=topk_rank.TI, TJ=topk_rank.TJ,
                         STAGES=topk_rank.STAGES))
@@ -97,20 +106,22 @@ def topk_pools_split(logits, lengths, k: int, maxima, maxima_pools: int):
         return jnp.full((rows, k), -1, jnp.int32)
     lengths = lengths.astype(jnp.int32)
     cand = split_candidates(logits, lengths, k, maxima, maxima_pools)
-    return _rank(logits, lengths, None, k, cand, 1)[0]
+    return _rank(logits, lengths, k, cand, 1, False)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("k", "maxima_pools", "kpool"))
-def select_tokens_split(logits, lengths, seq_tokens, k: int, maxima, maxima_pools: int, kpool: int):
-    """The split top-k of rows of seq_tokens [rows] i32 tokens (< 0: a padding row, as 0)
-    and lengths = seq_tokens // kpool pools, expanded: [rows, k kpool + kpool - 1] i32,
-    ``expand.expand_pools`` of ``topk_pools_split``'s ids."""
+def select_tokens_split(logits, positions, k: int, maxima, maxima_pools: int, kpool: int, counters=None):
+    """The split top-k of rows at positions [rows] i32 (-1: a padding row), row p holding
+    p + 1 tokens and (p + 1) // kpool pools, expanded: [rows, k kpool + kpool - 1] i32,
+    ``expand.expand_pools`` of ``topk_pools_split``'s ids. The kernels read the
+    positions themselves (no XLA kernel computes lengths). counters: as for
+    ``split_candidates``."""
     rows, n = logits.shape
-    lengths, seq_tokens = lengths.astype(jnp.int32), seq_tokens.astype(jnp.int32)
+    positions = positions.astype(jnp.int32)
     if rows == 0 or n == 0:
-        seq_tokens = jnp.maximum(seq_tokens, 0)
+        seq_tokens = jnp.maximum(positions + 1, 0)
         t = jnp.arange(k * kpool + kpool - 1, dtype=jnp.int32) - k * kpool
         tail = (seq_tokens // kpool * kpool)[:, None] + t
         return jnp.where((t >= 0) & (t < (seq_tokens % kpool)[:, None]), tail, -1)
-    cand = split_candidates(logits, lengths, k, maxima, maxima_pools)
-    return _rank(logits, lengths, seq_tokens, k, cand, kpool)[1]
+    cand = split_candidates(logits, positions, k, maxima, maxima_pools, kpool=kpool, counters=counters)
+    return _rank(logits, positions, k, cand, kpool, True)[1]

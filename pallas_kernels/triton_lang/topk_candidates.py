@@ -74,14 +74,18 @@ def candidates_kernel(n_cols, n_maxima, span_pools, logits_ptr, lengths_ptr, max
                       sel_key_ptr, sel_id_ptr, count_ptr,
                       K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
                       POOLS_PER_MAX: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
-                      STAGES: tl.constexpr, TWO_PASS: tl.constexpr, BLOCK_M: tl.constexpr):
+                      STAGES: tl.constexpr, TWO_PASS: tl.constexpr, BLOCK_M: tl.constexpr, POS_R: tl.constexpr):
     # n_cols, n_maxima, span_pools: i32 score columns, maxima per row, pools per program
-    # logits: [rows, n_cols] f32; lengths: [rows] i32; maxima: [rows, n_maxima] u32 (POOLS_PER_MAX pools
+    # logits: [rows, n_cols] f32; lengths: [rows] i32 pools, or with POS_R > 0 positions (-1: padding), the
+    # row's length (p + 1) // POS_R pools; maxima: [rows, n_maxima] u32 (POOLS_PER_MAX pools
     # each); count_in: [rows] i32 zeros (aliases count); sel_key / sel_id: [rows, SEL_W] u32 / i32,
     # candidates written to [2 KP, 2 KP + CAP); count: [rows] i32 candidates found (may pass CAP)
     s = tl.program_id(0)
     row = tl.program_id(1)
-    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
+    if POS_R > 0:
+        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row) + 1, 0) // POS_R, n_cols)
+    else:
+        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
     lo = s * span_pools
     hi = tl.minimum(lo + span_pools, n)
     if lo < hi:
@@ -128,3 +132,4 @@ def candidates_kernel(n_cols, n_maxima, span_pools, logits_ptr, lengths_ptr, max
 BLOCK = 1024         # scores per tile of a span
 TWO_PASS_TILES = 2   # spans of more tiles count first, then write (one atomic add)
 STAGES = 3           # tiles of a span whose loads are in flight
+WARPS = 8            # warps per program (docs/benchmarks.md: 8 against 4)

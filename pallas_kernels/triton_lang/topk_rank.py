@@ -28,7 +28,7 @@ Tokens (``expand.py``'s rule): slot s of pool id p fills columns s R .. s R + R 
 with p R + o when 0 <= p < L // R (L the row's token count), else -1; the tail
 columns k R + u hold (L // R) R + u for u < L % R, else -1.
 
-Reads ONLY the row's count, candidates, length and token count (and, for a row that
+Reads ONLY the row's count, candidates, length or position (and, for a row that
 cannot be ranked, its scores below its length). Writes ONLY the row's ids and token
 columns, and for a row that cannot be ranked its scratch [0, 2 KP) of the selection
 buffers (aliased in place).
@@ -52,28 +52,30 @@ def _store_tokens(tok_row, slot, pool, ok, n_pools, R: tl.constexpr, RP: tl.cons
 
 
 @triton.jit
-def rank_kernel(n_cols, logits_ptr, lengths_ptr, seq_ptr, count_ptr, sel_key_in, sel_id_in,
+def rank_kernel(n_cols, logits_ptr, lengths_ptr, count_ptr, sel_key_in, sel_id_in,
                 sel_key_ptr, sel_id_ptr, ids_ptr, tok_ptr,
                 K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr, GROUP: tl.constexpr,
                 STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                 SMALL: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, W: tl.constexpr, TOKENS: tl.constexpr,
                 TI: tl.constexpr, TJ: tl.constexpr, STAGES: tl.constexpr):
-    # n_cols: i32 score columns; logits: [rows, n_cols] f32; lengths: [rows] i32 pools; seq: [rows] i32
-    # tokens (read with TOKENS); count: [rows] i32; sel_key_in / sel_id_in: [rows, SEL_W] u32 / i32,
+    # n_cols: i32 score columns; logits: [rows, n_cols] f32; lengths: [rows] i32 pools, or with TOKENS
+    # positions (-1: padding), the row holding L = p + 1 tokens and L // R pools; count: [rows] i32; sel_key_in / sel_id_in: [rows, SEL_W] u32 / i32,
     # the candidates at [2 KP, 2 KP + count), aliased by sel_key / sel_id; ids: [rows, K] i32;
     # tok: [rows, W] i32, W = K R + R - 1 (written with TOKENS)
     row = tl.program_id(0)
     t0 = tl.program_id(1)
     nt = tl.num_programs(1)
-    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
+    if TOKENS:
+        seq = tl.maximum(tl.load(lengths_ptr + row) + 1, 0)
+        n = tl.minimum(seq // R, n_cols)
+    else:
+        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
+        seq = n * R
+    n_pools = seq // R
     take = tl.minimum(n, K)
     cnt = tl.load(count_ptr + row)
     ids_row = ids_ptr + row.to(tl.int64) * K
     tok_row = tok_ptr + row.to(tl.int64) * W
-    seq = n * R
-    if TOKENS:
-        seq = tl.maximum(tl.load(seq_ptr + row), 0)
-    n_pools = seq // R
     if (cnt >= take) & (cnt <= CAP):
         bkey = sel_key_ptr + row.to(tl.int64) * SEL_W + 2 * KP
         bid = sel_id_ptr + row.to(tl.int64) * SEL_W + 2 * KP
@@ -104,7 +106,7 @@ def rank_kernel(n_cols, logits_ptr, lengths_ptr, seq_ptr, count_ptr, sel_key_in,
                 _store_tokens(tok_row, s, tl.full((KP,), -1, tl.int32), empty, n_pools, R, RP)
     elif t0 == 0:
         # (without MAXIMA, row_topk reads no maxima and lists no groups: those pointers are unused)
-        row_topk(row, n_cols, 1, logits_ptr, lengths_ptr, sel_key_ptr, sel_key_ptr, sel_id_ptr, ids_ptr, ids_row,
+        row_topk(row, n, n_cols, 1, logits_ptr, sel_key_ptr, sel_key_ptr, sel_id_ptr, ids_ptr, ids_row,
                  K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
         if TOKENS:
             tl.debug_barrier()

@@ -201,12 +201,12 @@ def _write_sorted(ck, ci, take, out_row, K: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
-def row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
+def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
              K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr, GROUP: tl.constexpr,
              STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL: tl.constexpr):
-    """The top-k of one row into out_row[0, K) (the module's docstring; ``topk_kernel``'s
-    arguments, ``row`` the row). Also the split top-k's fallback (``topk_rank``)."""
-    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
+    """The top-k of one row of n valid scores (0 <= n <= n_cols) into out_row[0, K) (the
+    module's docstring; ``topk_kernel``'s arguments, ``row`` the row). Also the split
+    top-k's fallback (``topk_rank``)."""
     base = logits_ptr + row.to(tl.int64) * n_cols
     take = tl.minimum(n, K)
     ck = sel_key_ptr + row.to(tl.int64) * SEL_W
@@ -405,12 +405,12 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, o
     out_row = out_ptr + row.to(tl.int64) * K
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
     if REG == 0:
-        row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr,
-                 out_row, K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
+        row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
+                 K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
     elif LONG:
         if n > REG:
-            row_topk(row, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr,
-                     group_ptr, out_row, K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
+            row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
+                     K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
     else:
         if n <= REG:
             register_topk(logits_ptr + row.to(tl.int64) * n_cols, n, tl.minimum(n, K),
