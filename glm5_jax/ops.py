@@ -17,8 +17,10 @@ One function per op. Every writer returns the new cache; thread it through and
                  the backend: on GPU pallas -> triton -> xla for the writers,
                  pallas -> xla for the read ops, and for select_tokens the
                  Triton tensor-core path when a request brings at least
-                 TC_MIN_ROWS query rows (prefill chunks), the Pallas path below
-                 that; XLA elsewhere (interpret mode is for testing, not speed).
+                 TC_MIN_ROWS query rows (prefill chunks) and for the decode
+                 batches ``tc_select_by_default`` names (the smallest and the
+                 largest), the Pallas path for the others; XLA elsewhere
+                 (interpret mode is for testing, not speed).
                  "pallas" counts as available on a GPU backend, "triton" when
                  jax_triton also imports.
 All implementations write identical cache bytes. The read ops' logits differ
@@ -467,17 +469,34 @@ def _tc_read_ok(s, hp) -> bool:
 
 # implementation=None on a GPU: select_tokens runs the Triton tensor-core path for
 # requests of at least this many query rows (prefill chunks), where it is 2-3x
-# faster than the Pallas path (docs/benchmarks.md); decode rows stay on Pallas.
+# faster than the Pallas path (docs/benchmarks.md).
 TC_MIN_ROWS = 64
+# Decode batches (fewer rows per request) take the Triton path (the split top-k) when
+# their rows x page-table pools are at most TC_DECODE_SMALL_POOLS (latency bound: four
+# launches against the Pallas path's nine) or at least TC_DECODE_LARGE_POOLS (bandwidth
+# bound: its logits kernel reads a large cache faster), the Pallas path between them
+# (docs/benchmarks.md, the decode table).
+TC_DECODE_SMALL_POOLS = 1 << 17
+TC_DECODE_LARGE_POOLS = 1 << 24
 
 
-def _read_impl(op, implementation, s, hp, rows_per_request=None):
+def tc_select_by_default(rows_per_request: int, scanned_pools: int) -> bool:
+    """Whether select_tokens with implementation=None takes the Triton tensor-core path
+    on a GPU that has it: prefill chunks of TC_MIN_ROWS rows per request or more, and
+    decode batches whose query rows x page-table pools (``scanned_pools``) are at most
+    TC_DECODE_SMALL_POOLS or at least TC_DECODE_LARGE_POOLS."""
+    return (rows_per_request >= TC_MIN_ROWS or scanned_pools <= TC_DECODE_SMALL_POOLS
+            or scanned_pools >= TC_DECODE_LARGE_POOLS)
+
+
+def _read_impl(op, implementation, s, hp, rows_per_request=None, scanned_pools=None):
     """Like _impl, but None falls back to XLA where the kernels' tiles do not fit
     (page_rows not in {16, 32, 64}); an explicit "pallas" or "triton" raises there
-    instead. For select_tokens, None picks "triton" from TC_MIN_ROWS rows per request."""
+    instead. For select_tokens, None picks "triton" where ``tc_select_by_default``
+    says so."""
     if (implementation is None and op == "select_tokens" and rows_per_request is not None
-            and rows_per_request >= TC_MIN_ROWS and jax.default_backend() == "gpu"
-            and _triton.available() and _tc_read_ok(s, hp)):
+            and scanned_pools is not None and tc_select_by_default(rows_per_request, scanned_pools)
+            and jax.default_backend() == "gpu" and _triton.available() and _tc_read_ok(s, hp)):
         return "triton"
     impl = _impl(op, implementation)
     if impl == "triton":
@@ -638,7 +657,8 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     program per row for prefill chunks (TC_MIN_ROWS or more query rows per request,
     the default there on a GPU), the split top-k for decode rows (candidates from many
     programs per row, then a rank launch of several programs per row that writes the
-    token indices). Both hold at most ``workspace_bytes`` (default 1 GiB) of logits,
+    token indices: four launches in all; the default on a GPU for the decode batches
+    ``tc_select_by_default`` names). Both hold at most ``workspace_bytes`` (default 1 GiB) of logits,
     top-k buffers and results at a time.
     """
     op = "select_tokens"
@@ -660,7 +680,8 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     short = ref.use_short_path(positions, t, short_context)
     if short is not True and _concrete(positions):
         _check_page_table(op, page_table_pages, ref.seq_lens_from_positions(positions) // r, layout, s)
-    impl = _read_impl(op, implementation, s, hp, rows_per_request=n)
+    impl = _read_impl(op, implementation, s, hp, rows_per_request=n,
+                      scanned_pools=b * n * addr.pools_in_pages(s, page_table_pages.shape[1]))
     if impl == "triton" and path is not None:
         raise ValueError(f"{op}: path selects between the Pallas kernels; implementation='triton' takes none")
     if impl == "triton" and interpret:

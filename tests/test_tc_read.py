@@ -236,6 +236,19 @@ def test_triton_read_ops_off_the_gpu_name_the_alternatives(rng):
     assert ops.default_implementation("select_tokens") == "xla"
 
 
+def test_tc_default_follows_the_measured_crossovers():
+    """The decode batches select_tokens gives the Triton path by default: the measured
+    cases where it is faster (docs/benchmarks.md, one H100 run: B x context tokens)."""
+    def pools(b, ctx_tokens):
+        return b * ctx_tokens // 4
+    for b, ctx in [(1, 32768), (1, 131072), (4, 32768), (16, 32768), (64, 1 << 20)]:
+        assert ops.tc_select_by_default(1, pools(b, ctx)), (b, ctx)
+    for b, ctx in [(1, 1 << 20), (4, 1 << 20), (16, 131072), (16, 1 << 20), (64, 32768), (64, 131072)]:
+        assert not ops.tc_select_by_default(1, pools(b, ctx)), (b, ctx)
+    assert ops.tc_select_by_default(ops.TC_MIN_ROWS, pools(64, 131072))        # prefill rows, any size
+    assert not ops.tc_select_by_default(ops.TC_MIN_ROWS - 1, ops.TC_DECODE_SMALL_POOLS + 1)
+
+
 def test_select_tokens_argument_errors(rng):
     layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, n=4)
     pos = jnp.asarray(np.arange(4)[None, :], jnp.int32)
@@ -769,9 +782,16 @@ def test_tc_decode_select_tokens_follows_the_contract(rng, next_n):
 
 
 @pytest.mark.gpu
-def test_tc_select_tokens_is_the_default_for_prefill_rows(rng):
+def test_tc_select_tokens_is_the_default_where_measured_faster(rng):
+    """implementation=None on the GPU: Triton for prefill rows and for the decode
+    batches ``tc_select_by_default`` names, Pallas for the others and for the other
+    read ops."""
     _require_triton()
     layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, n=ops.TC_MIN_ROWS)
-    assert ops._read_impl("select_tokens", None, s, 32, rows_per_request=ops.TC_MIN_ROWS) == "triton"
-    assert ops._read_impl("select_tokens", None, s, 32, rows_per_request=ops.TC_MIN_ROWS - 1) == "pallas"
+    mid = ops.TC_DECODE_SMALL_POOLS + 1
+    assert ops._read_impl("select_tokens", None, s, 32, ops.TC_MIN_ROWS, mid) == "triton"
+    assert ops._read_impl("select_tokens", None, s, 32, ops.TC_MIN_ROWS - 1, mid) == "pallas"
+    assert ops._read_impl("select_tokens", None, s, 32, 1, ops.TC_DECODE_SMALL_POOLS) == "triton"
+    assert ops._read_impl("select_tokens", None, s, 32, 1, ops.TC_DECODE_LARGE_POOLS) == "triton"
+    assert ops._read_impl("select_tokens", None, s, 32, 1, ops.TC_DECODE_LARGE_POOLS - 1) == "pallas"
     assert ops._read_impl("paged_logits", None, s, 32) == "pallas"
