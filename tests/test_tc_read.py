@@ -236,6 +236,25 @@ def test_triton_read_ops_off_the_gpu_name_the_alternatives(rng):
     assert ops.default_implementation("select_tokens") == "xla"
 
 
+@pytest.mark.gpu
+def test_tc_decode_default_runs_the_split_path_only_where_named(rng):
+    """select_tokens(implementation=None) on decode rows: the traced program holds the
+    split top-k's launches for a batch of at most TC_DECODE_SMALL_POOLS rows x pools and
+    the Pallas chain's for a larger one."""
+    _require_triton()
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=128, n=1, max_pages=40)
+    n_cols = table.shape[1] * s.page_rows
+    pos = jnp.full((128, 1), n_cols * layout.config.kpool - 1, jnp.int32)
+    for b in (2, 128):
+        text = str(jax.make_jaxpr(lambda c, q, w, t, p: ops.select_tokens(c, layout, layer, q, w, t, p,
+                                                                           short_context=False))(
+            cache, q8[:b], wf[:b], jnp.asarray(table[:b]), pos[:b]))
+        split = b * n_cols <= ops.TC_DECODE_SMALL_POOLS
+        assert split == (b == 2)
+        assert ("kpool_topk_rank" in text) == split and ("kpool_paged_logits_tc" in text) == split, b
+        assert ("kpool_topk_maxima" in text) == (not split), b                  # the Pallas chain's kernel
+
+
 def test_tc_default_follows_the_measured_crossovers():
     """The decode batches select_tokens gives the Triton path by default: the measured
     cases where it is faster (docs/benchmarks.md, one H100 run: B x context tokens)."""
