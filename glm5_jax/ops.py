@@ -471,31 +471,40 @@ def _tc_read_ok(s, hp) -> bool:
 # requests of at least this many query rows (prefill chunks), where it is 2-3x
 # faster than the Pallas path (docs/benchmarks.md).
 TC_MIN_ROWS = 64
-# Decode batches (fewer rows per request) take the Triton path (the split top-k) when
-# their rows x page-table pools are at most TC_DECODE_SMALL_POOLS (latency bound: four
-# launches against the Pallas path's nine) or at least TC_DECODE_LARGE_POOLS (bandwidth
-# bound: its logits kernel reads a large cache faster), the Pallas path between them
-# (docs/benchmarks.md, the decode table).
+# Decode batches of one query row per request take the Triton path (the split top-k)
+# when their rows x page-table pools are at most TC_DECODE_SMALL_POOLS (latency bound:
+# four launches against the Pallas path's eight or nine), or at least
+# TC_DECODE_LARGE_POOLS with tables of at least TC_DECODE_LONG_POOLS (bandwidth bound:
+# its logits kernel reads a large cache faster), the Pallas path otherwise
+# (docs/benchmarks.md, the decode table: all measured at one row per request).
 TC_DECODE_SMALL_POOLS = 1 << 17
 TC_DECODE_LARGE_POOLS = 1 << 24
+TC_DECODE_LONG_POOLS = 1 << 18
 
 
-def tc_select_by_default(rows_per_request: int, scanned_pools: int) -> bool:
+def tc_select_by_default(rows_per_request: int, rows: int, table_pools: int) -> bool:
     """Whether select_tokens with implementation=None takes the Triton tensor-core path
-    on a GPU that has it: prefill chunks of TC_MIN_ROWS rows per request or more, and
-    decode batches whose query rows x page-table pools (``scanned_pools``) are at most
-    TC_DECODE_SMALL_POOLS or at least TC_DECODE_LARGE_POOLS."""
-    return (rows_per_request >= TC_MIN_ROWS or scanned_pools <= TC_DECODE_SMALL_POOLS
-            or scanned_pools >= TC_DECODE_LARGE_POOLS)
+    on a GPU that has it, for `rows` query rows in all, `rows_per_request` per request,
+    and page tables of `table_pools` pools: prefill chunks of TC_MIN_ROWS rows per
+    request or more, and decode batches of one row per request (at most the split
+    top-k's MAX_GRID_ROWS) whose rows x table pools are at most TC_DECODE_SMALL_POOLS,
+    or at least TC_DECODE_LARGE_POOLS with tables of at least TC_DECODE_LONG_POOLS."""
+    if rows_per_request >= TC_MIN_ROWS:
+        return True
+    scanned = rows * table_pools
+    return (rows_per_request == 1 and rows <= _workspace.MAX_GRID_ROWS
+            and (scanned <= TC_DECODE_SMALL_POOLS
+                 or (scanned >= TC_DECODE_LARGE_POOLS and table_pools >= TC_DECODE_LONG_POOLS)))
 
 
-def _read_impl(op, implementation, s, hp, rows_per_request=None, scanned_pools=None):
+def _read_impl(op, implementation, s, hp, select_shape=None):
     """Like _impl, but None falls back to XLA where the kernels' tiles do not fit
     (page_rows not in {16, 32, 64}); an explicit "pallas" or "triton" raises there
     instead. For select_tokens, None picks "triton" where ``tc_select_by_default``
-    says so."""
-    if (implementation is None and op == "select_tokens" and rows_per_request is not None
-            and scanned_pools is not None and tc_select_by_default(rows_per_request, scanned_pools)
+    says so for ``select_shape`` = (rows_per_request, rows, table_pools); None there
+    keeps the Pallas kernels."""
+    if (implementation is None and op == "select_tokens" and select_shape is not None
+            and tc_select_by_default(*select_shape)
             and jax.default_backend() == "gpu" and _triton.available() and _tc_read_ok(s, hp)):
         return "triton"
     impl = _impl(op, implementation)
@@ -680,8 +689,9 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     short = ref.use_short_path(positions, t, short_context)
     if short is not True and _concrete(positions):
         _check_page_table(op, page_table_pages, ref.seq_lens_from_positions(positions) // r, layout, s)
-    impl = _read_impl(op, implementation, s, hp, rows_per_request=n,
-                      scanned_pools=b * n * addr.pools_in_pages(s, page_table_pages.shape[1]))
+    # a Pallas path or interpret mode named with implementation=None asks for the Pallas kernels
+    tc_shape = (n, b * n, addr.pools_in_pages(s, page_table_pages.shape[1]))
+    impl = _read_impl(op, implementation, s, hp, select_shape=tc_shape if path is None and not interpret else None)
     if impl == "triton" and path is not None:
         raise ValueError(f"{op}: path selects between the Pallas kernels; implementation='triton' takes none")
     if impl == "triton" and interpret:

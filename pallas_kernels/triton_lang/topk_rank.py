@@ -59,8 +59,8 @@ def rank_kernel(n_cols, logits_ptr, lengths_ptr, count_ptr, sel_key_in, sel_id_i
                 SMALL: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, W: tl.constexpr, TOKENS: tl.constexpr,
                 TI: tl.constexpr, TJ: tl.constexpr, STAGES: tl.constexpr):
     # n_cols: i32 score columns; logits: [rows, n_cols] f32; lengths: [rows] i32 pools, or with TOKENS
-    # positions (-1: padding), the row holding L = p + 1 tokens and L // R pools; count: [rows] i32; sel_key_in / sel_id_in: [rows, SEL_W] u32 / i32,
-    # the candidates at [2 KP, 2 KP + count), aliased by sel_key / sel_id; ids: [rows, K] i32;
+    # positions (-1: padding), the row holding L = p + 1 tokens and L // R pools; count: [rows] i32;
+    # sel_key_in / sel_id_in: [rows, SEL_W] u32 / i32, the candidates at [2 KP, 2 KP + count), aliased by sel_key / sel_id; ids: [rows, K] i32;
     # tok: [rows, W] i32, W = K R + R - 1 (written with TOKENS)
     row = tl.program_id(0)
     t0 = tl.program_id(1)
