@@ -142,7 +142,9 @@ def test_triton_launch_shapes(rng, tile, num_warps):
 def test_triton_in_place_no_copy(rng, op):
     _require_triton()
     layout = CacheLayout(IndexerConfig(), num_layers=2, num_blocks=64)
-    assert_updates_in_place(write_ops(rng, layout, "triton")[op], layout, "triton_kernel_call")
+    hlo = assert_updates_in_place(write_ops(rng, layout, "triton")[op], layout,
+                                  f'custom_call_target="{_call.FFI_TARGET}"')
+    assert f'custom_call_target="{_call.LEGACY_TARGET}"' not in hlo     # the typed-FFI launch only
 
 
 def _changed_words_from(cache, first_row: int, fill_word: int) -> int:

@@ -179,7 +179,8 @@ def write_ops(rng, layout, impl: str, layer: int = 0):
 
 def assert_updates_in_place(f, layout, kernel_marker: str | None = None):
     """jit(f, donate the cache): no copy of the cache in the compiled HLO, and the
-    output is the same device buffer. kernel_marker: a string the HLO must hold."""
+    output is the same device buffer. kernel_marker: a string the HLO must hold.
+    Returns the compiled HLO text."""
     import re
 
     import jax
@@ -194,6 +195,7 @@ def assert_updates_in_place(f, layout, kernel_marker: str | None = None):
     ptr = cache.unsafe_buffer_pointer()
     out = jf(cache)
     assert out.unsafe_buffer_pointer() == ptr, "the cache did not stay in place"
+    return hlo
 
 
 def many_pools_case(rng, per_request_tokens: int = 65536, n_requests: int = 4):

@@ -5,6 +5,15 @@ availability check (and its clear error) works on any machine. ``jax_triton``
 registers its lowering for CUDA and ROCm only: there is no CPU or interpret
 path, so CPU runs (and CI) use ``implementation="pallas"`` (interpret mode) or
 ``"xla"`` instead.
+
+The launches: jax_triton compiles each kernel and packs the launch (the compiled
+kernel, grid, parameters) into jaxlib's ``TritonKernelCall``; jax-triton 0.3.1 then
+emits it as jaxlib's legacy custom call ``triton_kernel_call``, which XLA runs with
+host work per launch and outside its command buffers (about 1 us between launches).
+Our calls carry ``FFI_TARGET`` instead, jaxlib's typed-FFI form of the same call, the
+one the Pallas Triton backend emits: ``_lower`` lets jax_triton build the call and
+re-emits its serialized launch under that target, so XLA captures it like any other
+kernel. Other callers of jax_triton in the process keep jax_triton's own lowering.
 """
 from __future__ import annotations
 
@@ -59,6 +68,47 @@ def require(op: str) -> None:
     if reason is not None:
         raise TritonUnavailableError(f"{op}: implementation='triton' is unavailable: {reason}; "
                                      f"use implementation='pallas' (interpret mode off the GPU) or 'xla'")
+
+
+# jaxlib's typed-FFI Triton launch (jaxlib > 0.10.2): one attribute, "opaque", the
+# zlib-compressed TritonKernelCall proto that the legacy target takes as its backend config
+FFI_TARGET = "triton_kernel_call_ffi"
+LEGACY_TARGET = "triton_kernel_call"
+
+
+def _ffi_target_available() -> bool:
+    from jax._src.lib import version as jaxlib_version
+    return tuple(jaxlib_version) > (0, 10, 2)
+
+
+def _lower(jax_triton_rule, ctx, *array_args, **params):
+    """Lowering of jax_triton's primitive on CUDA: a call named FFI_TARGET is built by
+    jax_triton (compiled kernel, serialized launch) and re-emitted as the typed-FFI
+    custom call; any other call is jax_triton's own."""
+    if params.get("custom_call_target_name") != FFI_TARGET:
+        return jax_triton_rule(ctx, *array_args, **params)
+    from jax._src.lib.mlir import ir
+    legacy = jax_triton_rule(ctx, *array_args, **{**params, "custom_call_target_name": LEGACY_TARGET})
+    op = legacy[0].owner
+    op = getattr(op, "operation", op)
+    opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
+    out = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases=dict(params["input_output_aliases"]))(
+        ctx, *array_args, opaque=opaque)
+    op.erase()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def call_target() -> str:
+    """The custom-call target our launches carry: FFI_TARGET where this jaxlib has it
+    (registering ``_lower`` for jax_triton's primitive once per process), else jax_triton's."""
+    if not _ffi_target_available():
+        return LEGACY_TARGET
+    from jax.interpreters import mlir
+    from jax_triton import triton_lib
+    rule = functools.partial(triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend)
+    mlir.register_lowering(triton_lib.triton_kernel_call_p, functools.partial(_lower, rule), platform="cuda")
+    return FFI_TARGET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +167,7 @@ def run(launch: Launch):
         grid=launch.grid,
         input_output_aliases={launch.cache_index: 0},
         name=launch.name,
+        custom_call_target_name=call_target(),
         num_warps=launch.num_warps,
         num_stages=1,
         enable_fp_fusion=launch.fp_fusion,
@@ -134,5 +185,6 @@ def run_read(kernel, scalars: tuple, arrays: tuple, out_shape, *, grid: tuple, n
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
             raise TypeError(f"{name}: scalar arguments must be int32 sizes, got {v!r}")
     return jt.triton_call(*scalars, *arrays, kernel=kernel, out_shape=out_shape, grid=grid,
-                          input_output_aliases=input_output_aliases or {}, name=name, num_warps=num_warps,
-                          num_stages=num_stages, **constexprs)
+                          input_output_aliases=input_output_aliases or {}, name=name,
+                          custom_call_target_name=call_target(), num_warps=num_warps, num_stages=num_stages,
+                          **constexprs)
