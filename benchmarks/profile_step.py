@@ -2,7 +2,7 @@
 
 Usage (GPU machine):
     PYTHONPATH=$PWD python benchmarks/profile_step.py [--calls 10] [--top 25] [--json out.json]
-        [--gather-attention] [--word-gather] [--contraction-shape UNROLL:TILE_COLS]
+        [--gather-attention] [--word-gather] [--contraction-shape UNROLL:TILE_COLS] [--implementation pallas]
     (each flag swaps one part of the step for another form with the same bits, for an A/B
     in one run: see --help)
 
@@ -14,8 +14,8 @@ kernel's end, median over the calls), the summed kernel time, the kernel count, 
 the ``--top`` kernels by time (median per call), each with its share of the span and
 the JAX operation it comes from (the ``op_name`` of its HLO instruction in the compiled
 step, where the names match), and the time of kernel groups: the indexer's own Pallas
-kernels (``kpool_*``), the model's batch-invariant contractions (``ordered_*``) and the
-rest (XLA). Only the kernels' own times, no harness.
+kernels (``kpool_*``), its Triton-language kernels (by their function names), the model's
+batch-invariant contractions (``ordered_*``) and the rest (XLA). Only the kernels' own times, no harness.
 """
 from __future__ import annotations
 
@@ -47,6 +47,24 @@ from device_step import capture, workload_engine  # noqa: E402
 # kernel name prefixes reported as groups: the indexer's Pallas kernels (kpool_*: writes,
 # query quantisation, paged logits, top-k), the model's batch-invariant contractions
 GROUPS = ("kpool_", "ordered_linear", "ordered_sumsq")
+TRITON_GROUP = "indexer Triton (triton_lang/*_kernel)"
+
+
+def triton_kernel_names() -> set:
+    """The names of the Triton-language kernels (pallas_kernels/triton_lang), which the
+    profiler reports by their function names."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pallas_kernels", "triton_lang")
+    names = set()
+    for path in glob.glob(os.path.join(root, "*.py")):
+        with open(path) as fh:
+            names.update(re.findall(r"@triton\.jit\s*\ndef (\w+)\(", fh.read()))
+    return names
+
+
+def group_of(name: str, triton_names: set) -> str:
+    if name.split(":")[0].strip() in triton_names:
+        return TRITON_GROUP
+    return next((g + "*" for g in GROUPS if name.startswith(g)), "XLA (fusions, sorts, copies)")
 
 
 def step_call(eng, model, plans, shape, cache_row):
@@ -96,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--warm-steps", type=int, default=60)
     ap.add_argument("--json")
+    ap.add_argument("--implementation", choices=("pallas", "xla"), default=None,
+                    help="Engine(implementation=...) for every op instead of each op's default, for an A/B")
     ap.add_argument("--contraction-shape", metavar="UNROLL:TILE_COLS",
                     help="the ordered contraction kernel's compiled unroll and its tile width for the "
                          "transposed operand (the attention's scores) instead of ordered_linear.UNROLL and "
@@ -118,11 +138,12 @@ def main(argv=None) -> int:
     if a.word_gather:
         import functools
         model_mod.gather_kv = functools.partial(model_mod.gather_kv, by_rows=False)
-    w = simulate.preset("gpu", devices=1, **GPU_OVERRIDES)
+    triton_names = triton_kernel_names()
+    w = simulate.preset("gpu", devices=1, implementation=a.implementation, **GPU_OVERRIDES)
     model = Decoder.random(w.model_config, seed=w.seed)
     eng = workload_engine(w, model, simulate.plan_num_blocks(w, model))
     print(f"profile_step: {jax.default_backend()} {jax.devices()[0].device_kind}, implementation "
-          f"{eng.implementation}"
+          f"{eng.implementation or 'each op default'}"
           f"{f', contraction unroll:tile {a.contraction_shape}' if a.contraction_shape else ''}"
           f"{', K/V gathered by words' if a.word_gather else ''}"
           f"{', attention on gathered K/V' if a.gather_attention and not a.word_gather else ''}",
@@ -148,9 +169,9 @@ def main(argv=None) -> int:
               f"{n} kernels per call")
         groups = collections.Counter()
         for nm, us in med.items():
-            groups[next((g for g in GROUPS if nm.startswith(g)), "XLA (fusions, sorts, copies)")] += us
+            groups[group_of(nm, triton_names)] += us
         for g, us in groups.most_common():
-            print(f"  {us:9.1f} us {us / span:6.1%}  all {g}* kernels")
+            print(f"  {us:9.1f} us {us / span:6.1%}  all {g} kernels")
         rows = []
         for nm, us in sorted(med.items(), key=lambda kv: -kv[1])[:a.top]:
             base = nm.split(":")[0].strip()

@@ -17,9 +17,8 @@ One function per op. Every writer returns the new cache; thread it through and
                  the backend: on GPU pallas -> triton -> xla for the writers,
                  pallas -> xla for the read ops, and for select_tokens the
                  Triton tensor-core path when a request brings at least
-                 TC_MIN_ROWS query rows (prefill chunks) and for the decode
-                 batches ``tc_select_by_default`` names (the smallest and the
-                 largest), the Pallas path for the others; XLA elsewhere
+                 TC_MIN_ROWS query rows (prefill chunks), the Pallas path for
+                 decode rows, whatever the batch size; XLA elsewhere
                  (interpret mode is for testing, not speed).
                  "pallas" counts as available on a GPU backend, "triton" when
                  jax_triton also imports.
@@ -469,42 +468,42 @@ def _tc_read_ok(s, hp) -> bool:
 
 # implementation=None on a GPU: select_tokens runs the Triton tensor-core path for
 # requests of at least this many query rows (prefill chunks), where it is 2-3x
-# faster than the Pallas path (docs/benchmarks.md).
+# faster than the Pallas path (docs/benchmarks.md). The choice reads the query rows
+# per request and nothing else: never the batch size or the page tables' width, so a
+# request's rows take the same kernels, hence the same logit bits and the same
+# selection, whatever else is in its batch (docs/design.md, the accuracy contract).
 TC_MIN_ROWS = 64
-# Decode batches of one query row per request take the Triton path (the split top-k)
-# when their rows x page-table pools are at most TC_DECODE_SMALL_POOLS (latency bound:
-# four launches against the Pallas path's eight or nine), or at least
-# TC_DECODE_LARGE_POOLS with tables of at least TC_DECODE_LONG_POOLS (bandwidth bound:
-# its logits kernel reads a large cache faster), the Pallas path otherwise
-# (docs/benchmarks.md, the decode table: all measured at one row per request).
-TC_DECODE_SMALL_POOLS = 1 << 17
-TC_DECODE_LARGE_POOLS = 1 << 24
-TC_DECODE_LONG_POOLS = 1 << 18
 
 
-def tc_select_by_default(rows_per_request: int, rows: int, table_pools: int) -> bool:
+def tc_select_by_default(rows_per_request: int) -> bool:
     """Whether select_tokens with implementation=None takes the Triton tensor-core path
-    on a GPU that has it, for `rows` query rows in all, `rows_per_request` per request,
-    and page tables of `table_pools` pools: prefill chunks of TC_MIN_ROWS rows per
-    request or more, and decode batches of one row per request (at most the split
-    top-k's MAX_GRID_ROWS) whose rows x table pools are at most TC_DECODE_SMALL_POOLS,
-    or at least TC_DECODE_LARGE_POOLS with tables of at least TC_DECODE_LONG_POOLS."""
-    if rows_per_request >= TC_MIN_ROWS:
-        return True
-    scanned = rows * table_pools
-    return (rows_per_request == 1 and rows <= _workspace.MAX_GRID_ROWS
-            and (scanned <= TC_DECODE_SMALL_POOLS
-                 or (scanned >= TC_DECODE_LARGE_POOLS and table_pools >= TC_DECODE_LONG_POOLS)))
+    on a GPU that has it, for a call of `rows_per_request` query rows per request:
+    prefill chunks of TC_MIN_ROWS rows or more. Decode rows keep the Pallas kernels,
+    faster in most decode batches (docs/benchmarks.md); a batch-dependent choice would
+    break batch invariance."""
+    return rows_per_request >= TC_MIN_ROWS
 
 
-def _read_impl(op, implementation, s, hp, select_shape=None):
+def default_select_implementation(layout: CacheLayout, layer: int, n_heads: int, rows_per_request: int) -> str:
+    """The implementation ``select_tokens(implementation=None)`` runs on this backend
+    for a layer's query rows of `n_heads` heads, `rows_per_request` per request.
+
+    A caller whose prefill rows come in grids of varying width (the engine's buckets,
+    down to a few columns) names ``default_select_implementation(..., TC_MIN_ROWS)`` for
+    all of them, so a prompt's rows take one implementation however they are chunked
+    and batched."""
+    if not isinstance(rows_per_request, int) or isinstance(rows_per_request, bool) or rows_per_request < 1:
+        raise ValueError(f"rows_per_request must be a positive int, got {rows_per_request!r}")
+    return _read_impl("select_tokens", None, layout.strides(layer), padded_heads(n_heads), rows_per_request)
+
+
+def _read_impl(op, implementation, s, hp, rows_per_request=None):
     """Like _impl, but None falls back to XLA where the kernels' tiles do not fit
     (page_rows not in {16, 32, 64}); an explicit "pallas" or "triton" raises there
     instead. For select_tokens, None picks "triton" where ``tc_select_by_default``
-    says so for ``select_shape`` = (rows_per_request, rows, table_pools); None there
-    keeps the Pallas kernels."""
-    if (implementation is None and op == "select_tokens" and select_shape is not None
-            and tc_select_by_default(*select_shape)
+    says so for ``rows_per_request``; None there keeps the Pallas kernels."""
+    if (implementation is None and op == "select_tokens" and rows_per_request is not None
+            and tc_select_by_default(rows_per_request)
             and jax.default_backend() == "gpu" and _triton.available() and _tc_read_ok(s, hp)):
         return "triton"
     impl = _impl(op, implementation)
@@ -666,9 +665,9 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     program per row for prefill chunks (TC_MIN_ROWS or more query rows per request,
     the default there on a GPU), the split top-k for decode rows (candidates from many
     programs per row, then a rank launch of several programs per row that writes the
-    token indices: four launches in all; the default on a GPU for the decode batches
-    ``tc_select_by_default`` names). Both hold at most ``workspace_bytes`` (default 1 GiB) of logits,
-    top-k buffers and results at a time.
+    token indices: four launches in all). Both read the same logit bits for a row, so
+    they select the same tokens; both hold at most ``workspace_bytes`` (default 1 GiB)
+    of logits, top-k buffers and results at a time.
     """
     op = "select_tokens"
     q8, weights, (b, n, hp) = _check_read_inputs(op, cache, layout, q8, weights, page_table_pages,
@@ -690,8 +689,7 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     if short is not True and _concrete(positions):
         _check_page_table(op, page_table_pages, ref.seq_lens_from_positions(positions) // r, layout, s)
     # a Pallas path or interpret mode named with implementation=None asks for the Pallas kernels
-    tc_shape = (n, b * n, addr.pools_in_pages(s, page_table_pages.shape[1]))
-    impl = _read_impl(op, implementation, s, hp, select_shape=tc_shape if path is None and not interpret else None)
+    impl = _read_impl(op, implementation, s, hp, rows_per_request=n if path is None and not interpret else None)
     if impl == "triton" and path is not None:
         raise ValueError(f"{op}: path selects between the Pallas kernels; implementation='triton' takes none")
     if impl == "triton" and interpret:

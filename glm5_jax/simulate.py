@@ -523,7 +523,8 @@ def _report(w: Workload, eng, probe: CorruptionProbe, rounds, num_blocks: int, n
     processed = st["prefill_tokens"] + st["decode_tokens"]
     changed = [s["first_change_step"] for s in shards if s["first_change_step"] is not None]
     report = dict(
-        device=_backend(), devices=eng.num_shards, implementation=eng.implementation, fault=w.fault,
+        device=_backend(), devices=eng.num_shards, implementation=eng.implementation or "each op's default",
+        fault=w.fault,
         async_scheduling=eng.async_scheduling,
         seed=w.seed, layers=eng.layout.num_layers, num_blocks=num_blocks, block_size_tokens=idx.block_size,
         kpool=idx.kpool, topk_tokens=idx.topk, prompt_tokens=w.prompt_tokens,
@@ -652,7 +653,8 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=_pos_int, default=1,
                    help="devices, one cache shard each; the workload is per device (weak scaling, default 1)")
     p.add_argument("--implementation", choices=("xla", "pallas"), default=None,
-                   help="default: pallas on GPU, xla elsewhere")
+                   help="default: each op's own (on a GPU the Pallas kernels, the Triton tensor-core "
+                        "path for prefill selection where jax_triton is installed; xla elsewhere)")
     p.add_argument("--async-scheduling", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
                    help="plan and dispatch each step before waiting for the previous one's tokens "
                         "(Engine(async_scheduling=N): N steps in flight, 1 without a value)")

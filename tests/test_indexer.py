@@ -2,6 +2,7 @@
 projections (float64 oracle, batch invariance), and a chunked prefill through the
 layer checked byte for byte against the paging-free golden model (docs/semantics.md appendix C)."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
+from glm5_jax import ops
 from glm5_jax.config import IndexerConfig
 from glm5_jax.layout import CacheLayout
 from glm5_jax.model import invariant as inv
@@ -375,3 +377,30 @@ def test_layer_prefill_in_non_aligned_chunks_matches_golden_pools(rng):
         np.testing.assert_array_equal(tg[tail, p % CFG.ring].view(np.uint16), gate[p].view(np.uint16))
     sel = np.asarray(sel)
     assert sel.shape[1] == CFG.index_width
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [8, 128])
+def test_layer_prefill_grid_takes_the_prefill_default_at_any_width(rng, width):
+    """implementation=None: the prefill grid's selection runs the implementation of
+    prefill chunks (``ops.default_select_implementation`` at TC_MIN_ROWS rows, the
+    tensor-core path on a GPU with jax_triton) also in a grid narrower than TC_MIN_ROWS,
+    so a prompt's rows never change kernels with the step's bucket; the decode grid
+    keeps the Pallas kernels."""
+    idx = make(rng)
+    lay = CacheLayout(CFG, num_layers=1, num_blocks=8)
+    assert ops.default_select_implementation(lay, 0, CFG.n_heads, ops.TC_MIN_ROWS) == "triton", \
+        "jax_triton must be installed on the GPU machine"
+    g, st = nnx.split(idx)
+    mins = BucketMins(prefill_width_tokens=width, table_blocks=2)
+    pre = [RowSpec(list(range(5)), 0, [3, 6], 5)]
+    dec = [RowSpec([7], 70, [1, 2], 4)]
+    shape = choose_shape(CFG, dec, pre, next_n=1, mins=mins)
+    assert shape.prefill_width_tokens == width
+    arr = {k: jnp.asarray(v) for k, v in build_step(CFG, shape, dec, pre).as_dict().items()}
+    t_pad = shape.num_tokens
+    xs, qs = jnp.asarray(bf16(rng, (t_pad, HIDDEN))), jnp.asarray(bf16(rng, (t_pad, QL)))
+    text = str(jax.make_jaxpr(lambda s_, c, x, q, b: nnx.merge(g, s_)(c, x, q, b, layout=lay, layer=0))(
+        st, lay.allocate(0), xs, qs, arr))
+    assert "kpool_paged_logits_tc" in text, "the prefill grid's tensor-core logits"
+    assert re.search(r"kpool_paged_logits(?!_tc)", text), "the decode grid's Pallas logits"

@@ -239,43 +239,41 @@ def test_triton_read_ops_off_the_gpu_name_the_alternatives(rng):
 
 
 @pytest.mark.gpu
-def test_tc_decode_default_runs_the_split_path_only_where_named(rng):
-    """select_tokens(implementation=None) on decode rows: the traced program holds the
-    split top-k's launches for a batch of at most TC_DECODE_SMALL_POOLS rows x pools and
-    the Pallas chain's for a larger one, or when a Pallas path is named."""
+def test_tc_default_is_one_implementation_whatever_the_batch(rng):
+    """select_tokens(implementation=None) traces the Pallas chain for decode rows at
+    every batch size, the split top-k's launches only where "triton" is named, and the
+    tensor-core path for prefill rows."""
     _require_triton()
-    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=128, n=1, max_pages=40)
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=128, n=ops.TC_MIN_ROWS, max_pages=40)
     n_cols = table.shape[1] * s.page_rows
-    pos = jnp.full((128, 1), n_cols * layout.config.kpool - 1, jnp.int32)
-    for b, path in ((2, None), (128, None), (2, "unfused")):
-        text = str(jax.make_jaxpr(lambda c, q, w, t, p: ops.select_tokens(c, layout, layer, q, w, t, p, path=path,
-                                                                           short_context=False))(
-            cache, q8[:b], wf[:b], jnp.asarray(table[:b]), pos[:b]))
-        split = b * n_cols <= ops.TC_DECODE_SMALL_POOLS and path is None
-        assert split == (b == 2 and path is None)
-        assert ("kpool_topk_rank" in text) == split and ("kpool_paged_logits_tc" in text) == split, (b, path)
-        assert bool(re.search(r"kpool_paged_logits(?!_tc)", text)) == (not split), (b, path)   # the Pallas logits
+    pos = jnp.full((128, ops.TC_MIN_ROWS), n_cols * layout.config.kpool - 1, jnp.int32)
+    for b, n, impl in ((1, 1, None), (2, 1, None), (128, 1, None), (2, 1, "triton"), (1, ops.TC_MIN_ROWS, None)):
+        text = str(jax.make_jaxpr(lambda c, q, w, t, p: ops.select_tokens(c, layout, layer, q, w, t, p,
+                                                                           short_context=False,
+                                                                           implementation=impl))(
+            cache, q8[:b, :n], wf[:b, :n], jnp.asarray(table[:b]), pos[:b, :n]))
+        tc = impl == "triton" or n >= ops.TC_MIN_ROWS
+        assert ("kpool_paged_logits_tc" in text) == tc, (b, n, impl)
+        assert ("kpool_topk_rank" in text) == (tc and n < ops.TC_MIN_ROWS), (b, n, impl)
+        assert bool(re.search(r"kpool_paged_logits(?!_tc)", text)) == (not tc), (b, n, impl)   # the Pallas logits
 
 
-def test_tc_default_follows_the_measured_crossovers():
-    """The default's choice for each decode case of docs/benchmarks.md's table (one H100
-    run, B requests of one row, tables of whole 1152-token blocks as trace_read.py
-    builds them): the Triton path where it was faster, but for 16 x 32k (1.06x), whose
-    133,632 pools lie just above the small bound; and the rule's other limits."""
-    def table_pools(ctx_tokens):
-        return -(-ctx_tokens // 1152) * 288
-    for b, ctx in [(1, 32768), (1, 131072), (4, 32768), (64, 1 << 20)]:
-        assert ops.tc_select_by_default(1, b, table_pools(ctx)), (b, ctx)
-    for b, ctx in [(1, 1 << 20), (4, 131072), (4, 1 << 20), (16, 32768), (16, 131072), (16, 1 << 20),
-                   (64, 32768), (64, 131072)]:
-        assert not ops.tc_select_by_default(1, b, table_pools(ctx)), (b, ctx)
-    big = ops.TC_DECODE_LARGE_POOLS
-    assert ops.tc_select_by_default(ops.TC_MIN_ROWS, 64 * ops.TC_MIN_ROWS, 1 << 16)    # prefill rows, any size
-    assert not ops.tc_select_by_default(ops.TC_MIN_ROWS - 1, 1, 8)                  # several rows per request
-    assert not ops.tc_select_by_default(2, 2, 8)
-    assert not ops.tc_select_by_default(1, big // 1024, 1024)                       # large, but short rows
-    assert ops.tc_select_by_default(1, big // ops.TC_DECODE_LONG_POOLS, ops.TC_DECODE_LONG_POOLS)
-    assert not ops.tc_select_by_default(1, workspace.MAX_GRID_ROWS + 1, 1)          # past the split grid
+def test_tc_default_reads_only_the_rows_per_request():
+    """The default's choice is a function of the query rows per request alone (never of
+    the batch or the tables), so a request's rows take one implementation whatever they
+    are batched with; off the GPU it is the reference."""
+    assert [ops.tc_select_by_default(n) for n in (1, 2, 4, ops.TC_MIN_ROWS - 1)] == [False] * 4
+    assert all(ops.tc_select_by_default(n) for n in (ops.TC_MIN_ROWS, ops.TC_MIN_ROWS + 1, 1 << 20))
+    layout = CacheLayout(IndexerConfig(block_size=1152), num_layers=1, num_blocks=6)
+    for n in (1, ops.TC_MIN_ROWS):
+        got = ops.default_select_implementation(layout, 0, 32, n)
+        if not ON_GPU:
+            assert got == "xla"
+        else:
+            assert got == ("triton" if n >= ops.TC_MIN_ROWS and _call.available() else "pallas")
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="rows_per_request must be a positive int"):
+            ops.default_select_implementation(layout, 0, 32, bad)
 
 
 def test_select_tokens_argument_errors(rng):
@@ -812,16 +810,71 @@ def test_tc_decode_select_tokens_follows_the_contract(rng, next_n):
 
 
 @pytest.mark.gpu
-def test_tc_select_tokens_is_the_default_where_measured_faster(rng):
-    """implementation=None on the GPU: Triton for prefill rows and for the decode
-    batches ``tc_select_by_default`` names, Pallas for the others and for the other
-    read ops."""
+def test_tc_select_tokens_is_the_default_for_prefill_rows(rng):
+    """implementation=None on the GPU: Triton for prefill rows, Pallas for decode rows
+    (whatever the batch), for a named Pallas path and for the other read ops."""
     _require_triton()
     layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, n=ops.TC_MIN_ROWS)
-    long_ = ops.TC_DECODE_LONG_POOLS
-    assert ops._read_impl("select_tokens", None, s, 32, (ops.TC_MIN_ROWS, ops.TC_MIN_ROWS, long_)) == "triton"
-    assert ops._read_impl("select_tokens", None, s, 32, (1, 1, ops.TC_DECODE_SMALL_POOLS)) == "triton"
-    assert ops._read_impl("select_tokens", None, s, 32, (1, 1, ops.TC_DECODE_SMALL_POOLS + 1)) == "pallas"
-    assert ops._read_impl("select_tokens", None, s, 32, (1, ops.TC_DECODE_LARGE_POOLS // long_, long_)) == "triton"
+    assert ops._read_impl("select_tokens", None, s, 32, ops.TC_MIN_ROWS) == "triton"
+    assert ops._read_impl("select_tokens", None, s, 32, 1 << 16) == "triton"
+    assert ops._read_impl("select_tokens", None, s, 32, ops.TC_MIN_ROWS - 1) == "pallas"
+    assert ops._read_impl("select_tokens", None, s, 32, 1) == "pallas"
     assert ops._read_impl("select_tokens", None, s, 32, None) == "pallas"
     assert ops._read_impl("paged_logits", None, s, 32) == "pallas"
+
+
+@pytest.mark.gpu
+def test_tc_decode_and_prefill_routes_select_the_same_tokens(rng):
+    """The Triton path's two top-k routes read the same logit bits: a request's rows
+    selected as one prefill chunk (one program per row) and as decode rows of as many
+    requests (the split top-k) give the same token indices, bit for bit, rows whose
+    logits are all zero (ties everywhere, decided by pool id) and rows shorter than k
+    included."""
+    _require_triton()
+    n = ops.TC_MIN_ROWS + 32
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=1, n=n, max_pages=40)
+    c = layout.config
+    n_pools = table.shape[1] * s.page_rows
+    k = 64
+    pos = np.sort(rng.choice(np.arange(2000, n_pools * c.kpool), n, replace=False)).astype(np.int32)
+    pos[:3] = [5, 17, 4 * k + 9]                                  # at most k pools: the whole context
+    wf = np.asarray(wf).copy()
+    wf[0, [10, 40, 70]] = 0.0                                    # all-zero logits
+    f = jax.jit(lambda cc, q, w, t, p: ops.select_tokens(cc, layout, layer, q, w, t, p, topk_tokens=k * c.kpool,
+                                                          short_context=False, implementation="triton"))
+    prefill = np.asarray(f(cache, q8, jnp.asarray(wf), jnp.asarray(table), jnp.asarray(pos[None, :])))
+    rows = jnp.asarray(np.repeat(table, n, axis=0))
+    decode = np.asarray(f(cache, jnp.asarray(q8).reshape(n, 1, *q8.shape[2:]), jnp.asarray(wf).reshape(n, 1, -1),
+                          rows, jnp.asarray(pos[:, None])))
+    np.testing.assert_array_equal(decode, prefill)
+    zero = prefill[10, :k * c.kpool:c.kpool]
+    np.testing.assert_array_equal(zero, np.arange(k) * c.kpool)    # the plateau: the lowest pool ids
+
+
+@pytest.mark.gpu
+def test_tc_launches_are_typed_ffi_calls(rng):
+    """The decode split path compiles to its three kernels as jaxlib's typed-FFI Triton
+    calls (the form XLA captures in its command buffers), none as the legacy target;
+    and a jax_triton call that names no target keeps jax_triton's own lowering."""
+    _require_triton()
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=2, n=1, max_pages=40)
+    pos = jnp.full((2, 1), table.shape[1] * s.page_rows * layout.config.kpool - 1, jnp.int32)
+    hlo = _select(layout, layer, "triton").lower(cache, q8, wf, jnp.asarray(table), pos).compile().as_text()
+    assert hlo.count(f'custom_call_target="{_call.FFI_TARGET}"') == 3, "logits, candidates, rank"
+    assert f'custom_call_target="{_call.LEGACY_TARGET}"' not in hlo
+
+    import jax_triton as jt
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, y_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, tl.load(x_ptr + i) + 1)
+
+    x = jnp.arange(16, dtype=jnp.int32)
+    f = jax.jit(lambda v: jt.triton_call(v, kernel=add_one, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32),
+                                         grid=(1,), N=16))
+    plain = f.lower(x).compile().as_text()
+    assert f'custom_call_target="{_call.LEGACY_TARGET}"' in plain and _call.FFI_TARGET not in plain
+    np.testing.assert_array_equal(np.asarray(f(x)), np.arange(1, 17))

@@ -137,6 +137,9 @@ class Indexer(nnx.Module):
         x, qr: [T, ...] bf16 for the step's flat tokens (decode grid first, then the
         prefill grid; ``glm5_jax.serving.step_metadata``). ``batch``: the step arrays (dict).
         ``projections``: (k, gate, q, weights) if already computed (``project``).
+        ``implementation``: one name for every op, or None for each op's default, the
+        prefill grid's selection taking the default of prefill chunks
+        (``ops.default_select_implementation`` at ``ops.TC_MIN_ROWS`` rows) whatever its width.
         Returns (cache, selected [T, topk + kpool - 1] i32 request-relative tokens,
         decode-grid rows first).
         """
@@ -164,8 +167,14 @@ class Indexer(nnx.Module):
         pages = batch["page_table_pages"]
         sel_d = ops.select_tokens(cache, layout, layer, q8[:nd_tok].reshape(bd, nd, *q8.shape[1:]),
                                   wq[:nd_tok].reshape(bd, nd, -1), pages[:bd], batch["dec_positions"], **kw)
+        # prefill rows take one implementation whatever the width of this step's grid
+        # (bucketed from the batch's longest chunk), so a prompt's selection does not
+        # depend on how it was chunked or what it was batched with
+        impl_p = implementation if implementation is not None else \
+            ops.default_select_implementation(layout, layer, q8.shape[-2], ops.TC_MIN_ROWS)
         sel_p = ops.select_tokens(cache, layout, layer, q8[nd_tok:].reshape(bp, np_, *q8.shape[1:]),
-                                  wq[nd_tok:].reshape(bp, np_, -1), pages[bd:], batch["pre_positions"], **kw)
+                                  wq[nd_tok:].reshape(bp, np_, -1), pages[bd:], batch["pre_positions"],
+                                  implementation=impl_p)
         return cache, jnp.concatenate([sel_d, sel_p], axis=0)
 
 

@@ -100,7 +100,7 @@ class Dispatcher:
     dispatched steps until they are committed (oldest first; more than one only with
     asynchronous scheduling)."""
 
-    def __init__(self, model, mesh, layout, implementation: str, tokens_out: int, *, dry_run: bool):
+    def __init__(self, model, mesh, layout, implementation: str | None, tokens_out: int, *, dry_run: bool):
         self.mesh = mesh
         self.num_shards = sharding.check_mesh(mesh)
         self.layout = layout

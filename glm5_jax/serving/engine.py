@@ -46,7 +46,6 @@ import time
 
 import numpy as np
 
-from .. import ops
 from ..layout import CacheLayout, with_fault
 from ..model.decoder import Decoder
 from . import sharding
@@ -148,7 +147,7 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.next_n = next_n
         self.bucket_mins = bucket_mins
-        self.implementation = ops.default_implementation() if implementation is None else implementation
+        self.implementation = implementation          # None: each op's default (Indexer.__call__)
         self.dry_run = dry_run
         self.async_scheduling = int(async_scheduling)     # steps kept in flight (0: synchronous)
         # every step returns its next tokens padded to this many per device (the most a

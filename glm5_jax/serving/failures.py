@@ -9,8 +9,10 @@ from ..model.decoder import Decoder
 from .requests import RUNNING
 from .step_metadata import BucketMins
 
-# The model runs ONE implementation for every op: those every op has ("triton" has the
-# write ops only). None: ops.default_implementation() of the backend.
+# An engine names ONE implementation for every op, one that every op has ("triton" has
+# the write ops and the read path only), or None: each op's default on the backend, the
+# prefill rows' selection that of prefill chunks whatever the step's grid
+# (model.indexer.Indexer.__call__).
 IMPLEMENTATIONS = ("xla", "pallas")
 
 
