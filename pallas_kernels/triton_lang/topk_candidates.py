@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .order_tl import order_key
+from .order_tl import append_at_least, order_key
 
 
 @triton.jit
@@ -109,12 +109,7 @@ def candidates_kernel(n_cols, n_maxima, span_pools, logits_ptr, lengths_ptr, max
                     offs = t + tl.arange(0, BLOCK)
                     m = offs < hi
                     key = order_key(tl.load(base + offs, mask=m, other=0.0))
-                    up = m & (key >= floor)
-                    pos = at + tl.cumsum(up.to(tl.int32), axis=0) - 1
-                    st = up & (pos < CAP)
-                    tl.store(bkey + pos, key, mask=st)
-                    tl.store(bid + pos, offs, mask=st)
-                    at += tl.sum(up.to(tl.int32), axis=0)
+                    at += append_at_least(bkey, bid, at, key, offs, m, floor, CAP)
         else:
             for t in range(lo, hi, BLOCK):
                 offs = t + tl.arange(0, BLOCK)
@@ -124,10 +119,7 @@ def candidates_kernel(n_cols, n_maxima, span_pools, logits_ptr, lengths_ptr, max
                 c = tl.sum(up.to(tl.int32), axis=0)
                 if c > 0:
                     at = tl.atomic_add(count_ptr + row, c)
-                    pos = at + tl.cumsum(up.to(tl.int32), axis=0) - 1
-                    st = up & (pos < CAP)
-                    tl.store(bkey + pos, key, mask=st)
-                    tl.store(bid + pos, offs, mask=st)
+                    append_at_least(bkey, bid, at, key, offs, m, floor, CAP)
 
 BLOCK = 1024         # scores per tile of a span
 TWO_PASS_TILES = 2   # spans of more tiles count first, then write (one atomic add)

@@ -70,7 +70,7 @@ import triton.language as tl
 from ..read import workspace
 from ..read.workspace import padded_k
 from . import _call
-from .order_tl import order_key
+from .order_tl import append_at_least, order_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,12 +244,7 @@ def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_
                     offs = tl.reshape(_group_columns(gid, GROUP, STEP), (BLOCK,))
                     m = tl.reshape(tl.broadcast_to((gid >= 0)[:, None], (BG, GROUP)), (BLOCK,)) & (offs < n)
                     key = order_key(tl.load(base + offs, mask=m, other=0.0))
-                    up = m & (key >= floor)
-                    pos = n_cand + tl.cumsum(up.to(tl.int32), axis=0) - 1
-                    st = up & (pos < CAP)
-                    tl.store(bkey + pos, key, mask=st)
-                    tl.store(bid + pos, offs, mask=st)
-                    n_cand += tl.sum(up.to(tl.int32), axis=0)
+                    n_cand += append_at_least(bkey, bid, n_cand, key, offs, m, floor, CAP)
                 if (n_cand <= CAP) & (n_cand >= K):        # (>= K: maxima that overstate fall back)
                     src_n = n_cand
                     from_buf = n >= 0                 # a runtime True
