@@ -268,14 +268,17 @@ def profile(cfg, a):
     return profile_calls(calls)
 
 
-SPLIT_LOGITS_PAGES = (64, 16)            # prefill_logits.Tuning(pages=...) for decode rows
+# the decode rows' logits launch shape (prefill_logits.DECODE) and variants of it, as
+# overrides of its fields (pages per program at most, pipeline stages, programs at least)
+SPLIT_LOGITS_VARIANTS = ({}, {"pages": 64}, {"pages": 8}, {"pages": 32}, {"stages": 3}, {"stages": 4},
+                         {"min_programs": 264}, {"min_programs": 1056})
 SPLIT_PROGRAM_VARIANTS = (528, 264, 132)  # the candidate launch's programs (workspace.split_spans)
 
 
 def split_shapes(cfg, a):
     """The split top-k's launches on the logits of real decode calls (bench_read's random
     cache and queries, one query row per request), each variant's kernels traced the way
-    the table is: the logits kernel's pages per program, the candidate launch's programs
+    the table is: the logits kernel's launch shape, the candidate launch's programs
     and the count of candidates (with maxima of 8 and of 64 pools where both fit), then
     candidates + rank; the ids equal the reference's."""
     from glm5_jax import reference as ref
@@ -298,9 +301,10 @@ def split_shapes(cfg, a):
             default_pools = workspace.split_maxima_pools(n_cols)
             print(f"\nsplit top-k, decode B={batch} ctx={ctx_tokens // 1024}k ({n_cols} columns, k = {k}; "
                   f"maxima of {default_pools} pools by default); kernels in us")
-            for pages in SPLIT_LOGITS_PAGES:
-                tune = dataclasses.replace(prefill_logits.DECODE, pages=pages)
-                print(f"  logits, {pages} pages per program at most: " + kernels(
+            for over in SPLIT_LOGITS_VARIANTS:
+                tune = dataclasses.replace(prefill_logits.DECODE, **over)
+                print(f"  logits, {tune.pages} pages per program at most, {tune.stages} stages, "
+                      f"{tune.min_programs} programs at least{'' if over else ' (default)'}: " + kernels(
                     lambda c, q, w_, t, x, tune=tune: prefill_logits.paged_logits(
                         c, s, q, w_, t, x, fill=False, maxima=True, maxima_pools=default_pools, tune=tune),
                     (cache, q8, w, table, ctx)))
