@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     w = simulate.preset("gpu", devices=1, implementation=a.implementation, **GPU_OVERRIDES)
     model = Decoder.random(w.model_config, seed=w.seed)
     eng = workload_engine(w, model, simulate.plan_num_blocks(w, model))
-    print(f"profile_step: {jax.default_backend()} {jax.devices()[0].device_kind}, implementation "
-          f"{eng.implementation or 'each op default'}"
+    impl = eng.implementation or "each op's default"
+    print(f"profile_step: {jax.default_backend()} {jax.devices()[0].device_kind}, implementation {impl}"
           f"{f', contraction unroll:tile {a.contraction_shape}' if a.contraction_shape else ''}"
           f"{', K/V gathered by words' if a.word_gather else ''}"
           f"{', attention on gathered K/V' if a.gather_attention and not a.word_gather else ''}",

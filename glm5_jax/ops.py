@@ -467,11 +467,12 @@ def _tc_read_ok(s, hp) -> bool:
 
 
 # implementation=None on a GPU: select_tokens runs the Triton tensor-core path for
-# requests of at least this many query rows (prefill chunks), where it is 2-3x
-# faster than the Pallas path (docs/benchmarks.md). The choice reads the query rows
-# per request and nothing else: never the batch size or the page tables' width, so a
-# request's rows take the same kernels, hence the same logit bits and the same
-# selection, whatever else is in its batch (docs/design.md, the accuracy contract).
+# requests of at least this many query rows (prefill chunks), where it is 3.4x
+# faster than the Pallas path at 32k tokens (docs/benchmarks.md). The choice reads
+# the width of the query grid (rows per request) and nothing else: never the batch
+# size or the page tables' width. A caller whose grid width varies for the same rows
+# (the engine's prefill buckets) names one implementation for all of them
+# (default_select_implementation; docs/design.md, the accuracy contract).
 TC_MIN_ROWS = 64
 
 

@@ -195,7 +195,7 @@ def test_abort_after_failure_keeps_the_failure(model, clean, monkeypatch):
 # ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, error, msg", [
     (dict(implementation="bogus"), ValueError, "implementation must be one of"),
-    (dict(implementation="triton"), ValueError, "implementation must be one of"),   # write ops only
+    (dict(implementation="triton"), ValueError, "implementation must be one of"),   # not every op has it
     (dict(layout="dense-tail-stride"), ValueError, "layout must be the model's layout"),
     (dict(layout=CFG.layout(NB + 1)), ValueError, "layout must be the model's layout"),
     (dict(chunk_policy=32), ValueError, "chunk_policy must be callable"),

@@ -379,18 +379,20 @@ def test_layer_prefill_in_non_aligned_chunks_matches_golden_pools(rng):
     assert sel.shape[1] == CFG.index_width
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [pytest.param(None, marks=pytest.mark.gpu), "pallas"])
 @pytest.mark.parametrize("width", [8, 128])
-def test_layer_prefill_grid_takes_the_prefill_default_at_any_width(rng, width):
-    """implementation=None: the prefill grid's selection runs the implementation of
-    prefill chunks (``ops.default_select_implementation`` at TC_MIN_ROWS rows, the
-    tensor-core path on a GPU with jax_triton) also in a grid narrower than TC_MIN_ROWS,
-    so a prompt's rows never change kernels with the step's bucket; the decode grid
-    keeps the Pallas kernels."""
+def test_layer_prefill_grid_takes_the_prefill_default_at_any_width(rng, width, impl):
+    """The prefill grid's selection runs the kernels of prefill chunks also in a grid
+    narrower than TC_MIN_ROWS, so a prompt's rows never change kernels with the step's
+    bucket: with implementation=None the default of prefill chunks
+    (``ops.default_select_implementation`` at TC_MIN_ROWS rows: the tensor-core path on a
+    GPU with jax_triton), with "pallas" the fused kernel (interpret mode off the GPU).
+    The decode grid keeps the Pallas kernels' decode path."""
     idx = make(rng)
     lay = CacheLayout(CFG, num_layers=1, num_blocks=8)
-    assert ops.default_select_implementation(lay, 0, CFG.n_heads, ops.TC_MIN_ROWS) == "triton", \
-        "jax_triton must be installed on the GPU machine"
+    if impl is None:
+        assert ops.default_select_implementation(lay, 0, CFG.n_heads, ops.TC_MIN_ROWS) == "triton", \
+            "jax_triton must be installed on the GPU machine"
     g, st = nnx.split(idx)
     mins = BucketMins(prefill_width_tokens=width, table_blocks=2)
     pre = [RowSpec(list(range(5)), 0, [3, 6], 5)]
@@ -400,7 +402,9 @@ def test_layer_prefill_grid_takes_the_prefill_default_at_any_width(rng, width):
     arr = {k: jnp.asarray(v) for k, v in build_step(CFG, shape, dec, pre).as_dict().items()}
     t_pad = shape.num_tokens
     xs, qs = jnp.asarray(bf16(rng, (t_pad, HIDDEN))), jnp.asarray(bf16(rng, (t_pad, QL)))
-    text = str(jax.make_jaxpr(lambda s_, c, x, q, b: nnx.merge(g, s_)(c, x, q, b, layout=lay, layer=0))(
+    text = str(jax.make_jaxpr(lambda s_, c, x, q, b: nnx.merge(g, s_)(c, x, q, b, layout=lay, layer=0,
+                                                                     implementation=impl))(
         st, lay.allocate(0), xs, qs, arr))
-    assert "kpool_paged_logits_tc" in text, "the prefill grid's tensor-core logits"
-    assert re.search(r"kpool_paged_logits(?!_tc)", text), "the decode grid's Pallas logits"
+    prefill_kernel = "kpool_paged_logits_tc" if impl is None else "kpool_paged_topk"
+    assert prefill_kernel in text, f"the prefill grid's {prefill_kernel}"
+    assert re.search(r"kpool_paged_logits(?!_tc)", text), "the decode grid's Pallas logits (unfused path)"

@@ -837,7 +837,7 @@ def test_tc_decode_and_prefill_routes_select_the_same_tokens(rng):
     n_pools = table.shape[1] * s.page_rows
     k = 64
     pos = np.sort(rng.choice(np.arange(2000, n_pools * c.kpool), n, replace=False)).astype(np.int32)
-    pos[:3] = [5, 17, 4 * k + 9]                                  # at most k pools: the whole context
+    pos[:3] = [5, 17, 4 * k - 9]                                  # fewer than k pools: the whole context
     wf = np.asarray(wf).copy()
     wf[0, [10, 40, 70]] = 0.0                                    # all-zero logits
     f = jax.jit(lambda cc, q, w, t, p: ops.select_tokens(cc, layout, layer, q, w, t, p, topk_tokens=k * c.kpool,

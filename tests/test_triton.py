@@ -238,7 +238,7 @@ def test_triton_chosen_by_default_order(rng, monkeypatch):
     sc = Scenario.random(rng, layout, [40, 9])
     a = {k: jnp.asarray(v) for k, v in sc.prefill([40, 9]).items()}
     f = lambda impl: (lambda c: ops.seed_tail(c, layout, 0, a["key"], a["gate"], a["tslot"], implementation=impl))
-    assert "triton_kernel_call" in jax.jit(f(None)).lower(layout.allocate(0)).compile().as_text()
+    assert f'custom_call_target="{_call.FFI_TARGET}"' in jax.jit(f(None)).lower(layout.allocate(0)).compile().as_text()
     got = np.asarray(f(None)(layout.allocate(SENTINEL)))
     want = np.asarray(f("xla")(layout.allocate(SENTINEL)))
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
@@ -294,6 +294,40 @@ def test_triton_rejects_interpret_and_ops_it_lacks():
         ops.fwht_quant(jnp.zeros((2, 128), jnp.bfloat16), implementation="triton")
     with pytest.raises(ValueError, match=r"implementation must be one of \('xla', 'pallas', 'triton'\) or None"):
         _small_call("decode_update", "cuda")
+
+
+def test_launch_lowering_reemits_the_serialized_launch_as_the_ffi_call():
+    """_call._lower on a stand-in for jax_triton's rule (a legacy call whose backend config
+    is the serialized launch): a call naming FFI_TARGET leaves as the typed-FFI call with
+    that launch as its "opaque" attribute and the cache alias kept; without ``ffi`` (ROCm)
+    it stays the legacy call; a call naming any other target is the rule's own."""
+    import functools
+
+    from jax.extend import core as jex_core
+    from jax.interpreters import mlir
+
+    prim = jex_core.Primitive("kpool_stub_launch")
+    prim.def_abstract_eval(lambda x, **_: jax.core.ShapedArray(x.shape, x.dtype))
+    launch = b"serialized\x00launch"
+
+    def rule(ctx, *args, custom_call_target_name, input_output_aliases, **_):
+        return jax.ffi.ffi_lowering(custom_call_target_name, api_version=2, backend_config=launch,
+                                    operand_output_aliases=dict(input_output_aliases))(ctx, *args)
+
+    def calls(ffi, target):
+        for platform in ("cpu", "cuda", "rocm"):           # the lowering runs for the default backend
+            mlir.register_lowering(prim, functools.partial(_call._lower, rule, ffi), platform=platform)
+        f = jax.jit(lambda x: prim.bind(x, custom_call_target_name=target, input_output_aliases=((0, 0),)))
+        return [ln for ln in f.lower(jnp.zeros(8, jnp.uint32)).as_text().splitlines() if "custom_call" in ln]
+
+    (ffi_call,) = calls(True, _call.FFI_TARGET)
+    assert f"@{_call.FFI_TARGET}(" in ffi_call and 'opaque = "serialized\\00launch"' in ffi_call
+    assert "operand_index = 0" in ffi_call
+    (legacy,) = calls(False, _call.FFI_TARGET)
+    assert f"@{_call.LEGACY_TARGET}(" in legacy and 'backend_config = "serialized\\00launch"' in legacy
+    for ffi in (True, False):
+        (other,) = calls(ffi, "another_target")
+        assert "@another_target(" in other and "opaque" not in other
 
 
 def test_default_order_table_is_well_formed():

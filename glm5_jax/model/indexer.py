@@ -139,7 +139,8 @@ class Indexer(nnx.Module):
         ``projections``: (k, gate, q, weights) if already computed (``project``).
         ``implementation``: one name for every op, or None for each op's default, the
         prefill grid's selection taking the default of prefill chunks
-        (``ops.default_select_implementation`` at ``ops.TC_MIN_ROWS`` rows) whatever its width.
+        (``ops.default_select_implementation`` at ``ops.TC_MIN_ROWS`` rows, and on the
+        Pallas kernels their prefill path, ``ops.default_read_path``) whatever its width.
         Returns (cache, selected [T, topk + kpool - 1] i32 request-relative tokens,
         decode-grid rows first).
         """
@@ -167,14 +168,16 @@ class Indexer(nnx.Module):
         pages = batch["page_table_pages"]
         sel_d = ops.select_tokens(cache, layout, layer, q8[:nd_tok].reshape(bd, nd, *q8.shape[1:]),
                                   wq[:nd_tok].reshape(bd, nd, -1), pages[:bd], batch["dec_positions"], **kw)
-        # prefill rows take one implementation whatever the width of this step's grid
-        # (bucketed from the batch's longest chunk), so a prompt's selection does not
-        # depend on how it was chunked or what it was batched with
+        # prefill rows take one implementation (and for the Pallas kernels one path)
+        # whatever the width of this step's grid (bucketed from the batch's longest
+        # chunk), so a prompt's selection does not depend on how it was chunked or
+        # what it was batched with
         impl_p = implementation if implementation is not None else \
             ops.default_select_implementation(layout, layer, q8.shape[-2], ops.TC_MIN_ROWS)
+        path_p = ops.default_read_path(ops.TC_MIN_ROWS) if impl_p == "pallas" else None
         sel_p = ops.select_tokens(cache, layout, layer, q8[nd_tok:].reshape(bp, np_, *q8.shape[1:]),
                                   wq[nd_tok:].reshape(bp, np_, -1), pages[bd:], batch["pre_positions"],
-                                  implementation=impl_p)
+                                  implementation=impl_p, path=path_p)
         return cache, jnp.concatenate([sel_d, sel_p], axis=0)
 
 

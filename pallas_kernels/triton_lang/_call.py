@@ -10,10 +10,11 @@ The launches: jax_triton compiles each kernel and packs the launch (the compiled
 kernel, grid, parameters) into jaxlib's ``TritonKernelCall``; jax-triton 0.3.1 then
 emits it as jaxlib's legacy custom call ``triton_kernel_call``, which XLA runs with
 host work per launch and outside its command buffers (about 1 us between launches).
-Our calls carry ``FFI_TARGET`` instead, jaxlib's typed-FFI form of the same call, the
-one the Pallas Triton backend emits: ``_lower`` lets jax_triton build the call and
-re-emits its serialized launch under that target, so XLA captures it like any other
-kernel. Other callers of jax_triton in the process keep jax_triton's own lowering.
+Our calls on CUDA leave as ``FFI_TARGET`` instead, jaxlib's typed-FFI form of the same
+call: ``_lower`` lets jax_triton build the call and re-emits its serialized launch
+under that target, so XLA captures it in command buffers like the kernels around it.
+Other callers of jax_triton in the process keep jax_triton's own lowering, and a
+jax-triton of another series than ``WRAPPED_JAX_TRITON`` launches its own way.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def require(op: str) -> None:
 # zlib-compressed TritonKernelCall proto that the legacy target takes as its backend config
 FFI_TARGET = "triton_kernel_call_ffi"
 LEGACY_TARGET = "triton_kernel_call"
+WRAPPED_JAX_TRITON = (0, 3)      # the jax-triton series whose lowering _lower wraps (JAX_TRITON_PIN)
 
 
 def _ffi_target_available() -> bool:
@@ -81,34 +83,50 @@ def _ffi_target_available() -> bool:
     return tuple(jaxlib_version) > (0, 10, 2)
 
 
-def _lower(jax_triton_rule, ctx, *array_args, **params):
-    """Lowering of jax_triton's primitive on CUDA: a call named FFI_TARGET is built by
-    jax_triton (compiled kernel, serialized launch) and re-emitted as the typed-FFI
-    custom call; any other call is jax_triton's own."""
+def _lower(jax_triton_rule, ffi: bool, ctx, *array_args, **params):
+    """Lowering of jax_triton's primitive. A call naming FFI_TARGET is built by jax_triton
+    under the legacy target (compiled kernel, serialized launch); with ``ffi`` (CUDA) its
+    launch is re-emitted as the typed-FFI custom call, without (ROCm, not measured) the
+    legacy call stays. Any other call is jax_triton's own."""
     if params.get("custom_call_target_name") != FFI_TARGET:
         return jax_triton_rule(ctx, *array_args, **params)
     from jax._src.lib.mlir import ir
     legacy = jax_triton_rule(ctx, *array_args, **{**params, "custom_call_target_name": LEGACY_TARGET})
+    if not ffi or not legacy:
+        return legacy
     op = legacy[0].owner
     op = getattr(op, "operation", op)
-    opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
+    try:
+        config = ir.StringAttr(op.attributes["backend_config"])
+    except ValueError:                                       # not the serialized launch: leave it be
+        return legacy
     out = jax.ffi.ffi_lowering(FFI_TARGET, operand_output_aliases=dict(params["input_output_aliases"]))(
-        ctx, *array_args, opaque=opaque)
-    op.erase()
+        ctx, *array_args, opaque=config.value_bytes)
+    op.erase()                                               # its results are not used
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def call_target() -> str:
-    """The custom-call target our launches carry: FFI_TARGET where this jaxlib has it
-    (registering ``_lower`` for jax_triton's primitive once per process), else jax_triton's."""
-    if not _ffi_target_available():
-        return LEGACY_TARGET
+def call_target() -> str | None:
+    """The custom-call target our launches name: FFI_TARGET where this jaxlib has it and
+    jax_triton is of the series ``_lower`` wraps (registering ``_lower`` for jax_triton's
+    primitive once per process, for CUDA and ROCm), else None (jax_triton's own launch)."""
+    import jax_triton
     from jax.interpreters import mlir
     from jax_triton import triton_lib
-    rule = functools.partial(triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend)
-    mlir.register_lowering(triton_lib.triton_kernel_call_p, functools.partial(_lower, rule), platform="cuda")
+    if not _ffi_target_available() or tuple(jax_triton.__version_info__[:2]) != WRAPPED_JAX_TRITON:
+        return None
+    for platform, backend, ffi in (("cuda", triton_lib.get_cuda_backend, True),
+                                   ("rocm", triton_lib.get_hip_backend, False)):
+        rule = functools.partial(triton_lib.triton_kernel_call_lowering, backend)
+        mlir.register_lowering(triton_lib.triton_kernel_call_p, functools.partial(_lower, rule, ffi),
+                               platform=platform)
     return FFI_TARGET
+
+
+def _target_kwargs() -> dict:
+    target = call_target()
+    return {} if target is None else dict(custom_call_target_name=target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +185,10 @@ def run(launch: Launch):
         grid=launch.grid,
         input_output_aliases={launch.cache_index: 0},
         name=launch.name,
-        custom_call_target_name=call_target(),
         num_warps=launch.num_warps,
         num_stages=1,
         enable_fp_fusion=launch.fp_fusion,
+        **_target_kwargs(),
         **launch.constexprs,
     )
 
@@ -185,6 +203,5 @@ def run_read(kernel, scalars: tuple, arrays: tuple, out_shape, *, grid: tuple, n
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
             raise TypeError(f"{name}: scalar arguments must be int32 sizes, got {v!r}")
     return jt.triton_call(*scalars, *arrays, kernel=kernel, out_shape=out_shape, grid=grid,
-                          input_output_aliases=input_output_aliases or {}, name=name,
-                          custom_call_target_name=call_target(), num_warps=num_warps, num_stages=num_stages,
-                          **constexprs)
+                          input_output_aliases=input_output_aliases or {}, name=name, num_warps=num_warps,
+                          num_stages=num_stages, **_target_kwargs(), **constexprs)
