@@ -113,6 +113,21 @@ def test_trace_read_groups_kernels_by_call():
     assert [round(t * 1e3) for t in s["per_kernel_us"]] == [45, 25]      # medians over the 2 full calls
 
 
+def test_profile_step_groups_the_indexer_kernels():
+    """profile_step.py: the Triton-language kernels, which the profiler names by their
+    function names, form the indexer's Triton group; kpool_* the Pallas one; the
+    contractions theirs; anything else counts as XLA."""
+    import profile_step as ps
+    names = ps.triton_kernel_names()
+    assert {"paged_logits_kernel", "candidates_kernel", "rank_kernel", "topk_kernel", "compress_prefill_kernel",
+            "decode_update_kernel", "seed_tail_kernel"} <= names
+    assert ps.group_of("candidates_kernel", names) == ps.TRITON_GROUP
+    assert ps.group_of("kpool_paged_topk__1", names) == "kpool_*"
+    assert ps.group_of("ordered_linear_rows", names) == "ordered_linear*"
+    for other in ("loop_fusion_3", "sort_10_1", "input_concatenate_fusion"):
+        assert ps.group_of(other, names) == "XLA (fusions, sorts, copies)"
+
+
 def test_trace_read_busy_kernel_runs():
     """The busy kernel is a real Pallas kernel (interpret mode here) that returns its input
     after `iters` multiply-adds."""
