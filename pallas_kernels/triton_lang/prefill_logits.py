@@ -45,6 +45,7 @@ from ..core import numerics as nm
 from ..core.strides import VIEW_COLS as _VIEW_COLS, CacheStrides
 from ..read import workspace
 from . import _call
+from .addressing_tl import row_tokens
 from .order_tl import NEG_INF_KEY, order_key
 
 DOTS = ("f16", "fp8")
@@ -103,7 +104,7 @@ def paged_logits_kernel(n, n_cols, n_pages, n_groups,
     row_ok = rows < n
     brow = b.to(tl.int64) * n
     if POS_R > 0:
-        ctx = tl.maximum(tl.load(ctx_ptr + brow + rows, mask=row_ok, other=-1) + 1, 0) // POS_R   # [BQ]
+        ctx = row_tokens(tl.load(ctx_ptr + brow + rows, mask=row_ok, other=-1)) // POS_R        # [BQ]
     else:
         ctx = tl.maximum(tl.load(ctx_ptr + brow + rows, mask=row_ok, other=0), 0)               # [BQ]
     if ZEROS:

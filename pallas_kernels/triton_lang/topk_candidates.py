@@ -32,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .addressing_tl import row_tokens
 from .order_tl import append_at_least, order_key
 
 
@@ -83,7 +84,7 @@ def candidates_kernel(n_cols, n_maxima, span_pools, logits_ptr, lengths_ptr, max
     s = tl.program_id(0)
     row = tl.program_id(1)
     if POS_R > 0:
-        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row) + 1, 0) // POS_R, n_cols)
+        n = tl.minimum(row_tokens(tl.load(lengths_ptr + row)) // POS_R, n_cols)
     else:
         n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
     lo = s * span_pools

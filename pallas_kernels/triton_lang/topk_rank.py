@@ -38,6 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .addressing_tl import row_tokens
 from .topk_rows import row_topk
 
 
@@ -66,7 +67,7 @@ def rank_kernel(n_cols, logits_ptr, lengths_ptr, count_ptr, sel_key_in, sel_id_i
     t0 = tl.program_id(1)
     nt = tl.num_programs(1)
     if TOKENS:
-        seq = tl.maximum(tl.load(lengths_ptr + row) + 1, 0)
+        seq = row_tokens(tl.load(lengths_ptr + row))
         n = tl.minimum(seq // R, n_cols)
     else:
         n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
