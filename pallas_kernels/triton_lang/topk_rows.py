@@ -70,7 +70,7 @@ import triton.language as tl
 from ..read import workspace
 from ..read.workspace import padded_k
 from . import _call
-from .order_tl import append_at_least, order_key
+from .order_tl import append_at_least, order_key, take_th_key, write_sorted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,19 +185,6 @@ def _maxima_floor(mrow, ng, take, BLOCK: tl.constexpr, NB: tl.constexpr):
         up = m & ((b1 > c1) | ((b1 == c1) & (b2 >= c2)))
         floor = tl.minimum(floor, tl.min(tl.where(up, key, 0xFFFFFFFF), axis=0))
     return floor
-
-
-@triton.jit
-def _write_sorted(ck, ci, take, out_row, K: tl.constexpr, KP: tl.constexpr):
-    """The `take` selected (key, id) pairs at ck / ci[0, take) into out_row[0, K): by
-    descending key, ties by ascending id, then -1."""
-    i = tl.arange(0, KP)
-    ok = i < take
-    v = (tl.load(ck + i, mask=ok, other=0).to(tl.uint64) << 32) | \
-        (~tl.load(ci + i, mask=ok, other=0).to(tl.uint32)).to(tl.uint64)
-    v = tl.sort(tl.where(ok, v, 0), descending=True)
-    ids = tl.where(ok, (~v.to(tl.uint32)).to(tl.int32), -1)
-    tl.store(out_row + i, ids, mask=i < K)
 
 
 @triton.jit
@@ -338,7 +325,7 @@ def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_
             cg += tl.sum(gt.to(tl.int32), axis=0)
             cq += tl.sum(eq.to(tl.int32), axis=0)
     tl.debug_barrier()
-    _write_sorted(ck, ci, take, out_row, K, KP)
+    write_sorted(ck, ci, take, out_row, K, KP)
 
 
 @triton.jit
@@ -348,24 +335,7 @@ def register_topk(base, n, take, ck, ci, out_row, K: tl.constexpr, KP: tl.conste
     offs = tl.arange(0, REG)
     m = offs < n
     key = tl.where(m, order_key(tl.load(base + offs, mask=m, other=0.0)), 0)     # [REG] u32, 0 outside
-    kmin = tl.min(tl.where(key == 0, 0xFFFFFFFF, key), axis=0)
-    kmax = tl.max(key, axis=0)
-    # p: the largest value that at least `take` keys reach (the take-th best key), fixed
-    # from the top bit down; reached = how many reach p. Every valid key is >= 1 and the
-    # keys outside the row are 0, so a count against cand > kmin sees only the row.
-    p = kmin * 0
-    reached = n
-    bit = n * 0 + 31
-    while (bit >= 0) & (reached != take):
-        cand = p | (tl.full((), 1, tl.uint32) << bit.to(tl.uint32))
-        if (cand > kmin) & (cand <= kmax):
-            c = tl.sum((key >= cand).to(tl.int32), axis=0)
-        else:
-            c = tl.where(cand <= kmin, n, 0)
-        up = c >= take
-        p = tl.where(up, cand, p)
-        reached = tl.where(up, c, reached)
-        bit -= 1
+    p, reached = take_th_key(key, n, take)
     # the keys above p, then the first ties at p by id (all of them when exactly take reach p);
     # p is 0 only when take == n: then every key of the row, none outside
     sel = key >= tl.maximum(p, 1)
@@ -378,7 +348,7 @@ def register_topk(base, n, take, ck, ci, out_row, K: tl.constexpr, KP: tl.conste
     tl.store(ck + pos, key, mask=sel)
     tl.store(ci + pos, offs, mask=sel)
     tl.debug_barrier()
-    _write_sorted(ck, ci, take, out_row, K, KP)
+    write_sorted(ck, ci, take, out_row, K, KP)
 
 
 @triton.jit
