@@ -498,6 +498,25 @@ def default_select_implementation(layout: CacheLayout, layer: int, n_heads: int,
     return _read_impl("select_tokens", None, layout.strides(layer), padded_heads(n_heads), rows_per_request)
 
 
+# implementation=None on a GPU: topk_pools runs the Triton top-k for the shapes where
+# it measured faster than the Pallas kernels (docs/benchmarks.md): k of at least
+# TC_TOPK_MIN_K over TC_TOPK_MIN_ROWS rows or more (the Pallas select slows sharply
+# with k), and any k over TC_TOPK_MANY_ROWS rows or more of at most
+# TC_TOPK_SHORT_POOLS pools. Every implementation returns the same ids, so the choice
+# changes only the time.
+TC_TOPK_MIN_K = 1024
+TC_TOPK_MIN_ROWS = 64
+TC_TOPK_MANY_ROWS = 256
+TC_TOPK_SHORT_POOLS = 32768
+
+
+def tc_topk_by_default(rows: int, n_pools: int, k: int) -> bool:
+    """Whether topk_pools with implementation=None takes the Triton top-k on a GPU that
+    has it, for [rows, n_pools] scores and top-k size k."""
+    return ((k >= TC_TOPK_MIN_K and rows >= TC_TOPK_MIN_ROWS)
+            or (rows >= TC_TOPK_MANY_ROWS and n_pools <= TC_TOPK_SHORT_POOLS))
+
+
 def _read_impl(op, implementation, s, hp, rows_per_request=None):
     """Like _impl, but None falls back to XLA where the kernels' tiles do not fit
     (page_rows not in {16, 32, 64}); an explicit "pallas" or "triton" raises there
@@ -611,10 +630,15 @@ def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, 
     Returns [rows, k] i32: descending score, ties by ascending pool id, then -1 for
     the slots of a row with fewer than k valid pools. ``splits`` (Pallas only)
     sets how many programs share a row (default: chosen from the shape).
+    implementation=None on a GPU: the Triton top-k where ``tc_topk_by_default`` says
+    so for the shape (and no ``splits`` is given), else DEFAULT_ORDER's.
     """
     op = "topk_pools"
     _check_rows_and_count(op, "logits", logits, "[rows, n]", _F32, "lengths", lengths, "k", k)
     impl = _impl(op, implementation)
+    if (implementation is None and splits is None and impl == "pallas" and tc_topk_by_default(*logits.shape, k)
+            and _available("triton", op, jax.default_backend())):
+        impl = "triton"
     if impl == "triton" and splits is not None:
         raise ValueError(f"{op}: splits is a Pallas launch parameter; implementation='triton' takes none")
     return DISPATCH[op, impl](logits, lengths, k, splits=splits, interpret=interpret)
@@ -817,7 +841,7 @@ _triton_seed_tail = _triton_kernel("tail_seed", "seed_tail")
 _triton_compress_prefill = _triton_kernel("pool_compress", "compress_prefill")
 _triton_decode_update = _triton_kernel("decode_update", "decode_update")
 _triton_paged_logits = _triton_kernel("prefill_logits", "paged_logits")
-_triton_topk = _triton_kernel("topk_rows", "topk_pools")
+_triton_topk = _triton_kernel("dense_topk", "topk_pools")
 
 # =================================================================================
 # ONE dispatch table: (op, implementation) -> function. The entries of an op all take

@@ -144,6 +144,74 @@ def test_maxima_groups_partition_each_step():
         assert groups == per_step or max(workspace.group_columns(groups - per_step - 1)) < n
 
 
+def sample_guess(x, length, k):
+    """The dense top-k's guess for a row of scores (topk_sample, in numpy): the top 16
+    bits of the sample's t-th best key (0 for an empty row)."""
+    n = int(np.clip(length, 0, x.shape[0]))
+    stride = workspace.sample_stride(n)
+    i = np.arange(workspace.SAMPLE_POOLS)
+    col = (i // workspace.SAMPLE_CHUNK_POOLS) * stride + i % workspace.SAMPLE_CHUNK_POOLS
+    col = col[col < n]
+    t = workspace.sample_rank(n, col.size, k)
+    if t == 0:
+        return np.uint32(0)
+    keys = np.sort(np.asarray(ref.order_key(jnp.asarray(x[col]))))[::-1]
+    return keys[t - 1] & np.uint32(0xFFFF0000)
+
+
+@pytest.mark.parametrize("n, k", [(131072, 512), (131072, 2048), (32768, 512), (32768, 2048), (16384, 512),
+                                  (16500, 512), (262144, 512), (1 << 20, 2048), (9000, 2048)])
+def test_dense_topk_guess_lets_about_2k_scores_through(rng, n, k):
+    """The sampled guess of topk_pools' sampled form lets through at least k and at
+    most the 4 KP candidates the select launch holds (about 2 k) of a row of random
+    scores, so the row is selected from its candidates, not walked whole (a row
+    sampled whole gets a floor: at least k reach it)."""
+    width = workspace.dense_candidates(k)
+    assert workspace.dense_topk_takes(1, n, k)
+    for _ in range(3):
+        x = rng.standard_normal(n).astype(np.float32)
+        keys = np.asarray(ref.order_key(jnp.asarray(x)))
+        reach = int((keys >= sample_guess(x, n, k)).sum())
+        assert k <= reach <= width, reach
+        assert reach <= 3 * k, reach
+
+
+def test_dense_topk_sample_planning():
+    """The sample: chunks spread evenly over the row (the whole row, or its first columns
+    when the row is too short for a stride of more than one chunk); its rank: exact
+    for a whole row, 2 k scaled otherwise."""
+    assert workspace.sample_stride(131072, 16384, 256) == 2048
+    assert workspace.sample_stride(131072, 8192, 256) == 4096
+    assert workspace.sample_stride(8192, 8192, 256) == 256             # whole row
+    assert workspace.sample_stride(100, 8192, 256) == 256
+    assert workspace.sample_stride(1 << 20, 8192, 256) == 32768
+    assert workspace.sample_stride(16000, 8192, 256) == 256            # too short: the first 8192 columns
+    assert workspace.sample_rank(8000, 8000, 512, 2) == 512            # whole row: a floor
+    assert workspace.sample_rank(300, 300, 512, 2) == 300
+    assert workspace.sample_rank(131072, 8192, 512, 2) == 64
+    assert workspace.sample_rank(131072, 8192, 2048, 2) == 256
+    assert workspace.sample_rank(20000, 8192, 2048, 2) == 1678         # ceil(2 * 2048 * 8192 / 20000)
+    assert workspace.sample_rank(0, 0, 512, 2) == 0
+
+
+def test_dense_topk_takes_rows_past_the_registers_with_a_deep_sample():
+    """The sampled form takes rows longer than the register form, up to a grid axis of
+    them, while its sample ranks the guess at least MIN_SAMPLE_RANK deep (1M tokens
+    = 262144 pools at k = 512; 1M pools at k = 2048)."""
+    reg = workspace.REGISTER_ROW_POOLS
+    assert not workspace.dense_topk_takes(64, reg, 512) and workspace.dense_topk_takes(64, reg + 1, 512)
+    many = workspace.SPLIT_PROGRAMS                              # many short rows: one program each
+    assert not workspace.dense_topk_takes(many, 2 * reg, 512) and workspace.dense_topk_takes(many - 1, 2 * reg, 512)
+    assert workspace.dense_topk_takes(many, 2 * reg + 1, 512)
+    assert workspace.dense_topk_takes(1, 131072, 512) and workspace.dense_topk_takes(workspace.MAX_GRID_ROWS, 131072, 512)
+    assert not workspace.dense_topk_takes(0, 131072, 512)
+    assert not workspace.dense_topk_takes(workspace.MAX_GRID_ROWS + 1, 131072, 512)
+    assert workspace.dense_topk_takes(64, 262144, 512) and not workspace.dense_topk_takes(64, 270000, 512)
+    assert workspace.dense_topk_takes(64, 1 << 20, 2048) and not workspace.dense_topk_takes(64, 1080000, 2048)
+    for n in (reg + 1, 9000, 16384, 20000, 131072, 262144):
+        assert workspace.sample_rank(n, min(n, workspace.SAMPLE_POOLS), 512) >= workspace.MIN_SAMPLE_RANK
+
+
 def test_split_planning_covers_each_row_and_fills_the_gpu(rng):
     """The split top-k's spans cover every column once, in whole tiles, with about
     SPLIT_PROGRAMS programs where the rows are long enough; the logits' pages per program
@@ -276,6 +344,47 @@ def test_tc_default_reads_only_the_rows_per_request():
             ops.default_select_implementation(layout, 0, 32, bad)
 
 
+def test_topk_default_rule():
+    """topk_pools' default takes the Triton top-k for k >= TC_TOPK_MIN_K over at least
+    TC_TOPK_MIN_ROWS rows, and for any k over at least TC_TOPK_MANY_ROWS rows of at most
+    TC_TOPK_SHORT_POOLS pools; nowhere else (docs/benchmarks.md: the shapes where the
+    Pallas kernels measured faster)."""
+    big, rows, many, short = ops.TC_TOPK_MIN_K, ops.TC_TOPK_MIN_ROWS, ops.TC_TOPK_MANY_ROWS, ops.TC_TOPK_SHORT_POOLS
+    assert ops.tc_topk_by_default(rows, 1 << 18, big) and ops.tc_topk_by_default(rows, 8192, 2048)
+    assert not ops.tc_topk_by_default(rows - 1, 8192, 2048) and not ops.tc_topk_by_default(1, 131072, 2048)
+    assert not ops.tc_topk_by_default(many - 1, 8192, big - 1) and not ops.tc_topk_by_default(rows, 8192, 512)
+    assert ops.tc_topk_by_default(many, short, 512) and ops.tc_topk_by_default(4096, 8192, 1)
+    assert not ops.tc_topk_by_default(many, short + 1, 512) and not ops.tc_topk_by_default(4096, 131072, 512)
+
+
+TRITON_TOPK = r"kpool_topk_(sample|collect|dense_select|rows)"
+PALLAS_TOPK = r"kpool_topk(?!_(sample|collect|dense_select|rows))"
+
+
+@pytest.mark.gpu
+def test_tc_topk_default_follows_the_rule(rng):
+    """topk_pools(implementation=None) traces the Triton top-k exactly where
+    tc_topk_by_default says so (the sampled form, or one program per row for many short
+    rows), the Pallas kernels elsewhere and whenever splits is given, and returns the
+    reference's ids either way."""
+    _require_triton()
+    for rows, n, k, want in ((64, 8192, 2048, "kpool_topk_sample"), (16, 8192, 2048, None),
+                             (64, 8192, 512, None), (300, 8192, 512, "kpool_topk_rows"),
+                             (300, 40000, 512, None), (300, 40000, 2048, "kpool_topk_sample")):
+        x = jnp.asarray(rng.standard_normal((rows, n)).astype(np.float32))
+        lengths = jnp.asarray(rng.integers(0, n + 1, rows).astype(np.int32))
+        assert ops.tc_topk_by_default(rows, n, k) == (want is not None)
+        text = str(jax.make_jaxpr(lambda a, l: ops.topk_pools(a, l, k))(x, lengths))
+        tc = bool(re.search(TRITON_TOPK, text))
+        assert tc == (want is not None) and (want is None or want in text), (rows, n, k)
+        assert bool(re.search(PALLAS_TOPK, text)) == (not tc), (rows, n, k)
+        if want:
+            text = str(jax.make_jaxpr(lambda a, l: ops.topk_pools(a, l, k, splits=2))(x, lengths))
+            assert re.search(PALLAS_TOPK, text) and not re.search(TRITON_TOPK, text)
+        got = np.asarray(jax.jit(lambda a, l: ops.topk_pools(a, l, k))(x, lengths))
+        np.testing.assert_array_equal(got, np_topk(np.asarray(x), np.asarray(lengths), k))
+
+
 def test_select_tokens_argument_errors(rng):
     layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, n=4)
     pos = jnp.asarray(np.arange(4)[None, :], jnp.int32)
@@ -364,10 +473,13 @@ def adversarial_scores(rng, rows, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [24, 300])
 @pytest.mark.parametrize("k", [512, 2048])
-def test_tc_topk_equals_the_reference(rng, k):
+def test_tc_topk_equals_the_reference(rng, k, rows):
+    """topk_pools(implementation="triton"): 24 rows through the split form with maxima of
+    their own, 300 rows one program each."""
     _require_triton()
-    rows, n = 24, 9000
+    n = 9000
     x = adversarial_scores(rng, rows, n)
     lengths = rng.integers(0, n + 100, rows).astype(np.int32)
     lengths[:8] = n
@@ -479,6 +591,75 @@ def step_maxima(x):
     keys = np.zeros((rows, steps * 64), np.uint32)
     keys[:, :n] = np.asarray(ref.order_key(jnp.asarray(x)))
     return keys.reshape(rows, steps, 64).max(axis=2)
+
+
+def _dense_launches(x, lengths, k):
+    """topk_pools' few-rows form launch by launch: (guess, count after the sample, key,
+    id, count after the collect, ids)."""
+    from pallas_kernels.triton_lang import dense_topk
+
+    def f(a, l):
+        g, c0 = dense_topk.sample_guesses(a, l, k)
+        cand = dense_topk.collect_candidates(a, l, g, c0, k)
+        return (g, c0) + tuple(cand) + (dense_topk.select_candidates(a, l, cand, k),)
+    return [np.asarray(v) for v in jax.jit(f)(jnp.asarray(x), jnp.asarray(lengths))]
+
+
+def dense_rows(rng, rows, n, k):
+    x = adversarial_scores(rng, rows, n)
+    x[8] = np.sort(x[8])                                         # increasing: the best at the end
+    x[9] = np.where(rng.random(n) < 0.02, rng.standard_normal(n), 0.0).astype(np.float32)   # sparse + zeros
+    x[10] = -np.abs(x[10])                                       # every score at or below zero
+    lengths = np.full(rows, n, np.int32)
+    lengths[11], lengths[12], lengths[13], lengths[14] = 0, k - 1, k, k + 1
+    lengths[15], lengths[16], lengths[17] = n + 100, -3, 20000
+    x[17, 20000:] = 1e38                                         # larger than all, past the length
+    return x, lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 512, 2048])
+def test_tc_dense_topk_launches_follow_their_contracts(rng, k):
+    """Launch by launch, over adversarial rows (plateaus, ties, NaN, +-inf, sorted,
+    sparse, rows shorter than k, empty, past their length): the sample writes the
+    numpy guess and zero counters; the collect finds exactly the scores below the
+    length that reach the guess, each once, with their keys; the select gives the
+    reference's ids, from the candidates or (overflow, too few) the whole row."""
+    _require_triton()
+    rows, n = 20, 131072 + 77
+    x, lengths = dense_rows(rng, rows, n, k)
+    guess, count0, key, ids, count, out = _dense_launches(x, lengths, k)
+    width = workspace.dense_candidates(k)
+    np.testing.assert_array_equal(guess, [sample_guess(x[r], lengths[r], k) for r in range(rows)])
+    np.testing.assert_array_equal(count0, np.zeros(rows))
+    keys = np.asarray(ref.order_key(jnp.asarray(x)))
+    for r in range(rows):
+        m = int(np.clip(lengths[r], 0, n))
+        want = np.flatnonzero(keys[r, :m] >= guess[r])
+        assert count[r] == want.size
+        if want.size <= width:
+            got = ids[r, :want.size]
+            np.testing.assert_array_equal(np.sort(got), want)
+            np.testing.assert_array_equal(key[r, :want.size], keys[r, got])
+    took = (count >= np.minimum(np.clip(lengths, 0, n), k)) & (count <= width)
+    assert took.sum() >= 8 and (~took).sum() >= 1, "both the candidates' and the whole-row path"
+    np.testing.assert_array_equal(out, np_topk(x, np.clip(lengths, 0, None), k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [512, 2048])
+def test_tc_topk_of_few_long_rows_equals_the_reference(rng, k):
+    """ops.topk_pools(implementation="triton") of 20 rows (three launches: sample,
+    collect, select) gives the reference's ids bit for bit, run to run."""
+    _require_triton()
+    x, lengths = dense_rows(rng, 20, 131072, k)
+    f = jax.jit(lambda a, l: ops.topk_pools(a, l, k, implementation="triton"))
+    args = (jnp.asarray(x), jnp.asarray(lengths))
+    assert f.lower(*args).compile().as_text().count(f'custom_call_target="{_call.FFI_TARGET}"') == 3
+    got = np.asarray(f(*args))
+    np.testing.assert_array_equal(got, np_topk(x, np.clip(lengths, 0, None), k))
+    for _ in range(2):                                           # the atomics' order never shows
+        np.testing.assert_array_equal(np.asarray(f(*args)), got)
 
 
 def _split_topk(x, lengths, k, mx, pools):

@@ -20,6 +20,12 @@ FLOOR_MAXIMA = 8192                    # maxima per row the split top-k's floor 
 LOGITS_MIN_PROGRAMS = 528              # logits programs a decode batch spreads over: 4 per SM of the H200 (132 SMs)
 SPLIT_PROGRAMS = 264                   # candidate and rank programs of the split top-k: 2 per SM (docs/benchmarks.md)
 MAX_GRID_ROWS = 65535                  # CUDA's limit on a grid's second axis: the split top-k's rows
+SAMPLE_POOLS = 16384                   # scores the dense top-k samples per row for its guess
+MIN_SAMPLE_RANK = 64                   # the least rank in its sample a guess is taken at (dense_topk_takes)
+SAMPLE_CHUNK_POOLS = 256               # consecutive columns per sampled chunk (whole 32-byte sectors)
+SAMPLE_TARGET_PER_K = 2                # scores per k the dense top-k's guess aims to let through
+DENSE_CANDIDATES_PER_KP = 4            # candidates per padded k the dense top-k's select holds
+REGISTER_ROW_POOLS = 4096              # the longest row the row top-k reads into registers (topk_rows.Tuning)
 
 
 def padded_k(k: int) -> int:
@@ -58,6 +64,47 @@ def split_maxima_pools(n_cols_pools: int) -> int:
     leaves rows of 64k-128k pools without one (exact, through the whole-row walk)."""
     small = maxima_cols(n_cols_pools, MAXIMA_GROUP_POOLS) <= FLOOR_MAXIMA
     return MAXIMA_GROUP_POOLS if small else MAXIMA_STEP_POOLS
+
+
+def dense_topk_takes(rows: int, n_cols_pools: int, k: int) -> bool:
+    """Whether ``topk_pools(implementation="triton")`` takes the sampled three-launch
+    form (``triton_lang.dense_topk``) rather than one program per row
+    (``triton_lang.topk_rows``): for rows longer than the row form holds in registers
+    (REGISTER_ROW_POOLS), unless they are both many (SPLIT_PROGRAMS or more, which fill
+    the GPU one program each) and short (at most twice the registers' width, where
+    the row form measured faster), as many rows as a grid axis holds, and a sample
+    that ranks the guess at least MIN_SAMPLE_RANK deep. The count a guess lets through is off
+    from its aim by about 1 / sqrt(rank) (12.5 % at 64), so a row falls short of k, and
+    is walked whole, at 4 standard deviations: about 3 rows in 100,000 of random
+    scores. Shallower samples (k = 512 past 256k pools) would miss far more often."""
+    if not (0 < rows <= MAX_GRID_ROWS and n_cols_pools > REGISTER_ROW_POOLS):
+        return False
+    if rows >= SPLIT_PROGRAMS and n_cols_pools <= 2 * REGISTER_ROW_POOLS:
+        return False
+    return sample_rank(n_cols_pools, min(n_cols_pools, SAMPLE_POOLS), k) >= MIN_SAMPLE_RANK
+
+
+def sample_stride(n_cols_pools: int, sample: int = SAMPLE_POOLS, chunk: int = SAMPLE_CHUNK_POOLS) -> int:
+    """Columns from one sampled chunk to the next in the dense top-k's sample of a row
+    of n_cols_pools scores (``triton_lang.topk_sample``): the row split evenly among
+    sample // chunk chunks, rounded down to whole chunks, at least one chunk (the
+    sample is then the row's first columns, or all of them)."""
+    return max(n_cols_pools // (sample // chunk) // chunk * chunk, chunk)
+
+
+def sample_rank(n_cols_pools: int, sampled: int, k: int, target: int = SAMPLE_TARGET_PER_K) -> int:
+    """The rank in its sample of the dense top-k's guess for a row of n_cols_pools
+    scores, `sampled` of them sampled: min(k, n) when the sample is the whole row (the
+    guess is then a floor), else target * k scaled to the sample, rounded up."""
+    if sampled >= n_cols_pools:
+        return min(k, n_cols_pools)
+    return min(-(-target * k * sampled // n_cols_pools), sampled)
+
+
+def dense_candidates(k: int) -> int:
+    """W: the candidates per row the dense top-k's select launch holds in registers,
+    DENSE_CANDIDATES_PER_KP * KP (twice what the guess aims at)."""
+    return DENSE_CANDIDATES_PER_KP * padded_k(k)
 
 
 def logits_pages_per_program(max_pages: int, other_programs: int, pages_per_step: int,

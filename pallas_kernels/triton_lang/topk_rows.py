@@ -84,7 +84,7 @@ class Tuning:
     bins: int = 32
     small: int = 128
     reverse: bool = True
-    reg_pools: int = 4096
+    reg_pools: int = workspace.REGISTER_ROW_POOLS
 
     def __post_init__(self):
         pow2 = lambda v: isinstance(v, int) and v >= 16 and not v & (v - 1)   # noqa: E731
