@@ -2,6 +2,7 @@
 
 Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 20] [--batches 64]
                       [--contexts 131072] [--xla] [--impls pallas triton] [--topk-cols 131072]
+                      [--topk-ks 512 2048]
                       [--skip-topk] [--skip-decode] [--profile] [--split-shapes]
 
 bench_read.py times calls chained in one jit, each made to depend on the last by a
@@ -177,9 +178,10 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072], help="decode context tokens")
     ap.add_argument("--xla", action="store_true", help="also trace the XLA reference's decode select_tokens")
     ap.add_argument("--impls", nargs="+", choices=sorted(DECODE_SELECTORS), default=["pallas", "triton"],
-                    help="decode select_tokens implementations to trace (ratios against the first)")
+                    help="decode select_tokens and topk_pools implementations to trace (ratios against the first)")
     ap.add_argument("--topk-rows", type=int, default=64)
     ap.add_argument("--topk-cols", type=int, default=131072)
+    ap.add_argument("--topk-ks", type=int, nargs="+", help="top-k sizes (default: the config's topk_pools)")
     ap.add_argument("--skip-topk", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--profile", action="store_true",
@@ -228,22 +230,28 @@ def main(argv=None):
     if a.skip_topk:
         return print_rows(rows)
 
-    n, k = a.topk_cols, cfg.topk_pools
+    n = a.topk_cols
     x = jax.random.normal(jax.random.PRNGKey(7), (a.topk_rows, n), jnp.float32)
     lengths = jnp.full((a.topk_rows,), n, jnp.int32)
-    fns = {"pallas topk_pools": jax.jit(lambda x, l: ops.topk_pools(x, l, k, implementation="pallas")),
-           "lax.top_k": jax.jit(lambda x, l: lax.top_k(br.masked(x, l), k)[1]),
-           "read the scores once (XLA max)": jax.jit(lambda x, l: jnp.max(br.masked(x, l), axis=1))}
-    res = {name: summarize(trace_calls(f, (x, lengths), a.calls, busy, busy_arg)) for name, f in fns.items()}
-    base, once = res["lax.top_k"]["span_us"], res["read the scores once (XLA max)"]["span_us"]
-    t_us = torch_topk_us(x, k)
-    if t_us is not None:
-        res["torch.topk (CUDA events)"] = dict(span_us=t_us, kernels_us=float("nan"), gaps_us=float("nan"), n=0,
-                                               calls=50, order=[], per_kernel_us=[])
-    for name, s in res.items():
-        vs_torch = f", {t_us / s['span_us']:.2f}x torch.topk" if t_us is not None else ""
-        rows.append((f"topk [{a.topk_rows}, {n}] k={k}", name, s,
-                     f"{base / s['span_us']:.2f}x lax.top_k{vs_torch}, {s['span_us'] / once:.2f}x one read"))
+    once_f = jax.jit(lambda x, l: jnp.max(br.masked(x, l), axis=1))
+    for k in a.topk_ks or [cfg.topk_pools]:
+        fns = {f"{impl} topk_pools": jax.jit(lambda x, l, impl=impl: ops.topk_pools(x, l, k, implementation=impl))
+               for impl in a.impls}
+        fns["lax.top_k"] = jax.jit(lambda x, l: lax.top_k(br.masked(x, l), k)[1])
+        fns["read the scores once (XLA max)"] = once_f
+        ids = {name: np.asarray(f(x, lengths)) for name, f in fns.items() if name.endswith("topk_pools")}
+        if any((v != next(iter(ids.values()))).any() for v in ids.values()):
+            raise SystemExit(f"topk_pools k={k}: the implementations disagree")
+        res = {name: summarize(trace_calls(f, (x, lengths), a.calls, busy, busy_arg)) for name, f in fns.items()}
+        base, once = res["lax.top_k"]["span_us"], res["read the scores once (XLA max)"]["span_us"]
+        t_us = torch_topk_us(x, k)
+        if t_us is not None:
+            res["torch.topk (CUDA events)"] = dict(span_us=t_us, kernels_us=float("nan"), gaps_us=float("nan"), n=0,
+                                                   calls=50, order=[], per_kernel_us=[])
+        for name, s in res.items():
+            vs_torch = f", {t_us / s['span_us']:.2f}x torch.topk" if t_us is not None else ""
+            rows.append((f"topk [{a.topk_rows}, {n}] k={k}", name, s,
+                         f"{base / s['span_us']:.2f}x lax.top_k{vs_torch}, {s['span_us'] / once:.2f}x one read"))
     print_rows(rows)
 
 
