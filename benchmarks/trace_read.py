@@ -2,7 +2,7 @@
 
 Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 20] [--batches 64]
                       [--contexts 131072] [--xla] [--impls pallas triton] [--topk-cols 131072]
-                      [--topk-ks 512 2048]
+                      [--topk-ks 512 2048] [--topk-forms]
                       [--skip-topk] [--skip-decode] [--profile] [--split-shapes]
 
 bench_read.py times calls chained in one jit, each made to depend on the last by a
@@ -182,6 +182,11 @@ def main(argv=None):
     ap.add_argument("--topk-rows", type=int, default=64)
     ap.add_argument("--topk-cols", type=int, default=131072)
     ap.add_argument("--topk-ks", type=int, nargs="+", help="top-k sizes (default: the config's topk_pools)")
+    ap.add_argument("--topk-forms", action="store_true",
+                    help="trace nothing else: the top-k's forms (sampled, one program per row, Pallas) per "
+                         "--topk-form-rows x --topk-form-cols x --topk-ks")
+    ap.add_argument("--topk-form-rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
+    ap.add_argument("--topk-form-cols", type=int, nargs="+", default=[8192, 32768, 131072, 262144])
     ap.add_argument("--skip-topk", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--profile", action="store_true",
@@ -196,6 +201,8 @@ def main(argv=None):
         return profile(cfg, a)
     if a.split_shapes:
         return split_shapes(cfg, a)
+    if a.topk_forms:
+        return topk_forms(cfg, a)
     bw = copy_bandwidth()
     busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
@@ -337,6 +344,43 @@ def split_shapes(cfg, a):
                 if not same:
                     raise SystemExit("the split top-k's ids differ from the reference")
             del cache
+
+
+def topk_forms(cfg, a):
+    """--topk-forms: per --topk-form-rows x --topk-form-cols x --topk-ks, the span of
+    the Triton top-k's sampled form, of one program per row (where it finishes in
+    time: many rows or at most 32,768 pools), and of the Pallas kernels, beside one
+    read of the scores, with each form's ids checked equal to the Pallas kernels'
+    (random normal scores, every row full): the table behind ops.tc_topk_by_default
+    and workspace.dense_topk_takes."""
+    from pallas_kernels.triton_lang import dense_topk, topk_rows
+    busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
+          f"{a.calls} calls per span, us")
+    for n in a.topk_form_cols:
+        for rows in a.topk_form_rows:
+            if rows * n > 1 << 29:
+                print(f"[{rows}, {n}] skipped: more than 2 GiB of scores")
+                continue
+            x = jax.random.normal(jax.random.PRNGKey(rows + n), (rows, n), jnp.float32)
+            lengths = jnp.full((rows,), n, jnp.int32)
+            once = summarize(trace_calls(jax.jit(lambda v, l: jnp.max(v, axis=1)), (x, lengths), a.calls, busy,
+                                         busy_arg))["span_us"]
+            cells = []
+            for k in a.topk_ks or [cfg.topk_pools]:
+                fs = {"sampled": jax.jit(lambda v, l, k=k: dense_topk.select_candidates(
+                          v, l, dense_topk.collect_candidates(v, l, *dense_topk.sample_guesses(v, l, k), k), k)),
+                      "pallas": jax.jit(lambda v, l, k=k: ops.topk_pools(v, l, k, implementation="pallas"))}
+                if rows >= 256 or n <= 32768:
+                    fs["rows"] = jax.jit(lambda v, l, k=k: topk_rows.topk_pools(v, l, k))
+                want = np.asarray(fs["pallas"](x, lengths))
+                if any(not np.array_equal(np.asarray(f(x, lengths)), want) for f in fs.values()):
+                    raise SystemExit(f"topk [{rows}, {n}] k={k}: the forms' ids differ")
+                s = {nm: summarize(trace_calls(f, (x, lengths), a.calls, busy, busy_arg))["span_us"]
+                     for nm, f in fs.items()}
+                cells.append(f"k={k}: sampled {s['sampled']:.1f} / rows "
+                             + (f"{s['rows']:.1f}" if "rows" in s else "-") + f" / pallas {s['pallas']:.1f}")
+            print(f"[{rows}, {n}] read {once:.1f}; " + "; ".join(cells), flush=True)
 
 
 def print_rows(rows):

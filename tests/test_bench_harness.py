@@ -281,3 +281,38 @@ def test_the_tree_cites_existing_tools_and_steps():
                 unknown += [f"{rel}:{i}: {s}" for s in " ".join(value).split() if s not in steps]
     assert not missing, "files named that do not exist:\n" + "\n".join(missing)
     assert not unknown, "gpu.sh steps that do not exist:\n" + "\n".join(unknown)
+
+
+def test_trace_read_topk_forms_checks_and_prints_every_form(monkeypatch, capsys):
+    """trace_read.py --topk-forms (the table behind topk_pools' default): per shape and k
+    it times the sampled form, one program per row where that finishes in time, and the
+    Pallas kernels, stops when a form's ids differ, and skips shapes past 2 GiB. Here
+    the Triton modules are stand-ins (the reference's top-k) and the traces fixed
+    spans, so the CPU runs the table's logic."""
+    import types
+
+    import pytest
+    import trace_read as tr
+    from glm5_jax import reference as ref
+    ids = lambda v, l, k: ref.topk_pools(v, l, k)                              # noqa: E731
+    dense = types.SimpleNamespace(sample_guesses=lambda v, l, k: (l, l),
+                                  collect_candidates=lambda v, l, g, c, k: (v, l),
+                                  select_candidates=lambda v, l, cand, k: ids(v, l, k))
+    rows = types.SimpleNamespace(topk_pools=lambda v, l, k: ids(v, l, k))
+    monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.dense_topk", dense)
+    monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.topk_rows", rows)
+    monkeypatch.setattr(tr.ops, "topk_pools", lambda v, l, k, implementation=None: ids(v, l, k))
+    monkeypatch.setattr(tr, "busy_kernel", lambda: None)
+    monkeypatch.setattr(tr, "trace_calls", lambda f, args, calls, busy, arg: (jax.block_until_ready(f(*args)),))
+    monkeypatch.setattr(tr, "summarize", lambda calls: {"span_us": 2.5})
+    tr.main(["--topk-forms", "--topk-form-rows", "3", "1", "--topk-form-cols", "40", "70000",
+             "--topk-ks", "4", "8", "--calls", "2"])
+    out = capsys.readouterr().out
+    assert "[3, 40] read 2.5; k=4: sampled 2.5 / rows 2.5 / pallas 2.5; k=8: sampled 2.5 / rows 2.5" in out
+    assert "[3, 70000] read 2.5; k=4: sampled 2.5 / rows - / pallas 2.5" in out
+    assert "[1, 40]" in out and "skipped" not in out
+    dense.select_candidates = lambda v, l, cand, k: ids(v, l, k) + 1
+    with pytest.raises(SystemExit, match="ids differ"):
+        tr.main(["--topk-forms", "--topk-form-rows", "2", "--topk-form-cols", "40", "--topk-ks", "4"])
+    tr.main(["--topk-forms", "--topk-form-rows", "8192", "--topk-form-cols", "70000", "--topk-ks", "4"])
+    assert "skipped: more than 2 GiB" in capsys.readouterr().out
