@@ -18,7 +18,8 @@ One function per op. Every writer returns the new cache; thread it through and
                  pallas -> xla for the read ops, and for select_tokens the
                  Triton tensor-core path when a request brings at least
                  TC_MIN_ROWS query rows (prefill chunks), the Pallas path for
-                 decode rows, whatever the batch size; XLA elsewhere
+                 decode rows, whatever the batch size, and for topk_pools the
+                 Triton top-k for the shapes of ``tc_topk_by_default``; XLA elsewhere
                  (interpret mode is for testing, not speed).
                  "pallas" counts as available on a GPU backend, "triton" when
                  jax_triton also imports.
@@ -498,13 +499,15 @@ def default_select_implementation(layout: CacheLayout, layer: int, n_heads: int,
     return _read_impl("select_tokens", None, layout.strides(layer), padded_heads(n_heads), rows_per_request)
 
 
-# implementation=None on a GPU: topk_pools runs the Triton top-k for the shapes where
-# it measured faster than the Pallas kernels (docs/benchmarks.md): k of at least
-# TC_TOPK_MIN_K over TC_TOPK_MIN_ROWS rows or more (the Pallas select slows sharply
-# with k), and any k over TC_TOPK_MANY_ROWS rows or more of at most
-# TC_TOPK_SHORT_POOLS pools. Every implementation returns the same ids, so the choice
-# changes only the time.
-TC_TOPK_MIN_K = 1024
+# implementation=None on a GPU: topk_pools runs the Triton top-k inside the measured
+# range (k from TC_TOPK_KS[0] to TC_TOPK_KS[1], rows of TC_TOPK_POOLS[0] to
+# TC_TOPK_POOLS[1] pools; docs/benchmarks.md) where it was faster than the Pallas
+# kernels: k = TC_TOPK_KS[1] over TC_TOPK_MIN_ROWS rows or more (the Pallas select
+# slows sharply with k), and any k in the range over TC_TOPK_MANY_ROWS rows or more
+# of at most TC_TOPK_SHORT_POOLS pools. Outside the range the Pallas kernels stay.
+# Every implementation returns the same ids, so the choice changes only the time.
+TC_TOPK_KS = (512, 2048)
+TC_TOPK_POOLS = (8192, 262144)
 TC_TOPK_MIN_ROWS = 64
 TC_TOPK_MANY_ROWS = 256
 TC_TOPK_SHORT_POOLS = 32768
@@ -513,7 +516,9 @@ TC_TOPK_SHORT_POOLS = 32768
 def tc_topk_by_default(rows: int, n_pools: int, k: int) -> bool:
     """Whether topk_pools with implementation=None takes the Triton top-k on a GPU that
     has it, for [rows, n_pools] scores and top-k size k."""
-    return ((k >= TC_TOPK_MIN_K and rows >= TC_TOPK_MIN_ROWS)
+    if not (TC_TOPK_KS[0] <= k <= TC_TOPK_KS[1] and TC_TOPK_POOLS[0] <= n_pools <= TC_TOPK_POOLS[1]):
+        return False
+    return ((k == TC_TOPK_KS[1] and rows >= TC_TOPK_MIN_ROWS)
             or (rows >= TC_TOPK_MANY_ROWS and n_pools <= TC_TOPK_SHORT_POOLS))
 
 
@@ -631,13 +636,14 @@ def topk_pools(logits, lengths, k: int, *, implementation=None, interpret=None, 
     the slots of a row with fewer than k valid pools. ``splits`` (Pallas only)
     sets how many programs share a row (default: chosen from the shape).
     implementation=None on a GPU: the Triton top-k where ``tc_topk_by_default`` says
-    so for the shape (and no ``splits`` is given), else DEFAULT_ORDER's.
+    so for the shape (and neither ``splits`` nor ``interpret`` is given), else
+    DEFAULT_ORDER's.
     """
     op = "topk_pools"
     _check_rows_and_count(op, "logits", logits, "[rows, n]", _F32, "lengths", lengths, "k", k)
     impl = _impl(op, implementation)
-    if (implementation is None and splits is None and impl == "pallas" and tc_topk_by_default(*logits.shape, k)
-            and _available("triton", op, jax.default_backend())):
+    if (implementation is None and splits is None and not interpret and impl == "pallas"
+            and tc_topk_by_default(*logits.shape, k) and _available("triton", op, jax.default_backend())):
         impl = "triton"
     if impl == "triton" and splits is not None:
         raise ValueError(f"{op}: splits is a Pallas launch parameter; implementation='triton' takes none")

@@ -345,16 +345,27 @@ def test_tc_default_reads_only_the_rows_per_request():
 
 
 def test_topk_default_rule():
-    """topk_pools' default takes the Triton top-k for k >= TC_TOPK_MIN_K over at least
-    TC_TOPK_MIN_ROWS rows, and for any k over at least TC_TOPK_MANY_ROWS rows of at most
-    TC_TOPK_SHORT_POOLS pools; nowhere else (docs/benchmarks.md: the shapes where the
-    Pallas kernels measured faster)."""
-    big, rows, many, short = ops.TC_TOPK_MIN_K, ops.TC_TOPK_MIN_ROWS, ops.TC_TOPK_MANY_ROWS, ops.TC_TOPK_SHORT_POOLS
-    assert ops.tc_topk_by_default(rows, 1 << 18, big) and ops.tc_topk_by_default(rows, 8192, 2048)
+    """topk_pools' default takes the Triton top-k only inside the measured range (k =
+    512-2048, 8k-256k pools): at k = 2048 over at least TC_TOPK_MIN_ROWS rows, and at
+    any k of the range over at least TC_TOPK_MANY_ROWS rows of at most
+    TC_TOPK_SHORT_POOLS pools (docs/benchmarks.md: the Triton top-k was faster in
+    each of those measured shapes); there, the Triton top-k is the sampled form or,
+    for many rows of at most 8192 pools, one program per row, never the whole-row
+    walk of few long rows."""
+    rows, many, short = ops.TC_TOPK_MIN_ROWS, ops.TC_TOPK_MANY_ROWS, ops.TC_TOPK_SHORT_POOLS
+    assert ops.tc_topk_by_default(rows, 1 << 18, 2048) and ops.tc_topk_by_default(rows, 8192, 2048)
     assert not ops.tc_topk_by_default(rows - 1, 8192, 2048) and not ops.tc_topk_by_default(1, 131072, 2048)
-    assert not ops.tc_topk_by_default(many - 1, 8192, big - 1) and not ops.tc_topk_by_default(rows, 8192, 512)
-    assert ops.tc_topk_by_default(many, short, 512) and ops.tc_topk_by_default(4096, 8192, 1)
+    assert not ops.tc_topk_by_default(many - 1, 8192, 1024) and not ops.tc_topk_by_default(rows, 8192, 512)
+    assert ops.tc_topk_by_default(many, short, 512) and ops.tc_topk_by_default(4096, 8192, 1024)
     assert not ops.tc_topk_by_default(many, short + 1, 512) and not ops.tc_topk_by_default(4096, 131072, 512)
+    for rows_, n, k in ((64, 1 << 20, 2048), (64, 600000, 2048), (4096, 8192, 64), (4096, 8192, 4096),
+                        (4096, 4096, 512), (64, (1 << 18) + 1, 2048)):
+        assert not ops.tc_topk_by_default(rows_, n, k), (rows_, n, k)          # outside the measured range
+    for rows_ in (64, 256, 4096, 65535):
+        for n in (8192, 32768, 131072, 262144):
+            for k in (512, 1024, 2048):
+                if ops.tc_topk_by_default(rows_, n, k):
+                    assert workspace.dense_topk_takes(rows_, n, k) or (rows_ >= workspace.SPLIT_PROGRAMS and n <= 8192)
 
 
 TRITON_TOPK = r"kpool_topk_(sample|collect|dense_select|rows)"
