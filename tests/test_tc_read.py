@@ -200,7 +200,7 @@ def test_dense_topk_takes_rows_past_the_registers_with_a_deep_sample():
     = 262144 pools at k = 512; 1M pools at k = 2048)."""
     reg = workspace.REGISTER_ROW_POOLS
     assert not workspace.dense_topk_takes(64, reg, 512) and workspace.dense_topk_takes(64, reg + 1, 512)
-    many = workspace.SPLIT_PROGRAMS                              # many short rows: one program each
+    many = workspace.DENSE_MANY_ROWS                             # many short rows: one program each
     assert not workspace.dense_topk_takes(many, 2 * reg, 512) and workspace.dense_topk_takes(many - 1, 2 * reg, 512)
     assert workspace.dense_topk_takes(many, 2 * reg + 1, 512)
     assert workspace.dense_topk_takes(1, 131072, 512) and workspace.dense_topk_takes(workspace.MAX_GRID_ROWS, 131072, 512)
@@ -365,7 +365,7 @@ def test_topk_default_rule():
         for n in (8192, 32768, 131072, 262144):
             for k in (512, 1024, 2048):
                 if ops.tc_topk_by_default(rows_, n, k):
-                    assert workspace.dense_topk_takes(rows_, n, k) or (rows_ >= workspace.SPLIT_PROGRAMS and n <= 8192)
+                    assert workspace.dense_topk_takes(rows_, n, k) or (rows_ >= workspace.DENSE_MANY_ROWS and n <= 8192)
 
 
 TRITON_TOPK = r"kpool_topk_(sample|collect|dense_select|rows)"

@@ -26,6 +26,7 @@ SAMPLE_CHUNK_POOLS = 256               # consecutive columns per sampled chunk (
 SAMPLE_TARGET_PER_K = 2                # scores per k the dense top-k's guess aims to let through
 DENSE_CANDIDATES_PER_KP = 4            # candidates per padded k the dense top-k's select holds
 REGISTER_ROW_POOLS = 4096              # the longest row the row top-k reads into registers (topk_rows.Tuning)
+DENSE_MANY_ROWS = 256                  # rows from which rows of <= 2 REGISTER_ROW_POOLS take one program each
 
 
 def padded_k(k: int) -> int:
@@ -70,16 +71,16 @@ def dense_topk_takes(rows: int, n_cols_pools: int, k: int) -> bool:
     """Whether ``topk_pools(implementation="triton")`` takes the sampled three-launch
     form (``triton_lang.dense_topk``) rather than one program per row
     (``triton_lang.topk_rows``): for rows longer than the row form holds in registers
-    (REGISTER_ROW_POOLS), unless they are both many (SPLIT_PROGRAMS or more, which fill
-    the GPU one program each) and short (at most twice the registers' width, where
-    the row form measured faster), as many rows as a grid axis holds, and a sample
+    (REGISTER_ROW_POOLS), unless they are both many (DENSE_MANY_ROWS or more, which
+    fill the GPU one program each) and short (at most twice the registers' width): the
+    row form measured faster there (docs/benchmarks.md), as many rows as a grid axis holds, and a sample
     that ranks the guess at least MIN_SAMPLE_RANK deep. The count a guess lets through is off
     from its aim by about 1 / sqrt(rank) (12.5 % at 64), so a row falls short of k, and
     is walked whole, at 4 standard deviations: about 3 rows in 100,000 of random
     scores. Shallower samples (k = 512 past 256k pools) would miss far more often."""
     if not (0 < rows <= MAX_GRID_ROWS and n_cols_pools > REGISTER_ROW_POOLS):
         return False
-    if rows >= SPLIT_PROGRAMS and n_cols_pools <= 2 * REGISTER_ROW_POOLS:
+    if rows >= DENSE_MANY_ROWS and n_cols_pools <= 2 * REGISTER_ROW_POOLS:
         return False
     return sample_rank(n_cols_pools, min(n_cols_pools, SAMPLE_POOLS), k) >= MIN_SAMPLE_RANK
 
