@@ -85,21 +85,21 @@ def dense_topk_takes(rows: int, n_cols_pools: int, k: int) -> bool:
     return sample_rank(n_cols_pools, min(n_cols_pools, SAMPLE_POOLS), k) >= MIN_SAMPLE_RANK
 
 
-def sample_stride(n_cols_pools: int, sample: int = SAMPLE_POOLS, chunk: int = SAMPLE_CHUNK_POOLS) -> int:
-    """Columns from one sampled chunk to the next in the dense top-k's sample of a row
-    of n_cols_pools scores (``triton_lang.topk_sample``): the row split evenly among
-    sample // chunk chunks, rounded down to whole chunks, at least one chunk (the
-    sample is then the row's first columns, or all of them)."""
-    return max(n_cols_pools // (sample // chunk) // chunk * chunk, chunk)
+def sample_stride(n_cols_pools: int, sample_pools: int = SAMPLE_POOLS, chunk_pools: int = SAMPLE_CHUNK_POOLS) -> int:
+    """Pools from one sampled chunk to the next in the dense top-k's sample of a row of
+    n_cols_pools scores (``triton_lang.topk_sample``): the row split evenly among
+    sample_pools // chunk_pools chunks, rounded down to whole chunks, at least one chunk
+    (the sample is then the row's first columns, or all of them)."""
+    return max(n_cols_pools // (sample_pools // chunk_pools) // chunk_pools * chunk_pools, chunk_pools)
 
 
-def sample_rank(n_cols_pools: int, sampled: int, k: int, target: int = SAMPLE_TARGET_PER_K) -> int:
+def sample_rank(n_cols_pools: int, sampled_pools: int, k: int, target: int = SAMPLE_TARGET_PER_K) -> int:
     """The rank in its sample of the dense top-k's guess for a row of n_cols_pools
-    scores, `sampled` of them sampled: min(k, n) when the sample is the whole row (the
-    guess is then a floor), else target * k scaled to the sample, rounded up."""
-    if sampled >= n_cols_pools:
+    scores, sampled_pools of them sampled: min(k, n) when the sample is the whole row
+    (the guess is then a floor), else target * k scaled to the sample, rounded up."""
+    if sampled_pools >= n_cols_pools:
         return min(k, n_cols_pools)
-    return min(-(-target * k * sampled // n_cols_pools), sampled)
+    return min(-(-target * k * sampled_pools // n_cols_pools), sampled_pools)
 
 
 def dense_candidates(k: int) -> int:

@@ -65,7 +65,8 @@ def select_candidates(logits, lengths, candidates, k: int):
         topk_select.select_kernel, (n,), (logits, lengths, count, key, ids),
         (jax.ShapeDtypeStruct((rows, 2 * kp), jnp.uint32), jax.ShapeDtypeStruct((rows, 2 * kp), jnp.int32),
          jax.ShapeDtypeStruct((rows, k), jnp.int32)),
-        grid=(rows,), num_warps=topk_select.warps(workspace.dense_candidates(k)), num_stages=1, name="kpool_topk_dense_select",
+        grid=(rows,), num_warps=topk_select.warps(workspace.dense_candidates(k)), num_stages=1,
+        name="kpool_topk_dense_select",
         constexprs=dict(consts(k, workspace.candidate_cap(k), 2 * kp, FALLBACK, False),
                         W=workspace.dense_candidates(k)))[2]
 
