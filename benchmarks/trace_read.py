@@ -133,17 +133,29 @@ def summarize(calls):
 def trace_calls(f, args, calls: int, busy, busy_arg):
     """Trace `calls` executions of jitted f(*args), each queued behind the busy kernel
     and waited for; return group_calls' dicts."""
-    jax.block_until_ready(f(*args))                                  # compile + warm up
+    return trace_many({"f": (f, args)}, calls, busy, busy_arg)["f"]
+
+
+def trace_many(fns, calls: int, busy, busy_arg):
+    """trace_calls for every name -> (jitted f, args) of `fns` in one profiler session
+    (starting and reading a trace takes seconds): `calls` executions of each, in order;
+    returns name -> group_calls' dicts."""
+    for f, args in fns.values():
+        jax.block_until_ready(f(*args))                              # compile + warm up
     jax.block_until_ready(busy(busy_arg))
     d = tempfile.mkdtemp(prefix="trace_read_")
     with jax.profiler.trace(d):
-        for _ in range(calls):
-            busy(busy_arg)
-            jax.block_until_ready(f(*args))
+        for f, args in fns.values():
+            for _ in range(calls):
+                busy(busy_arg)
+                jax.block_until_ready(f(*args))
     paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise RuntimeError(f"jax.profiler wrote no xplane.pb under {d}")
-    return group_calls(device_events(paths[0]))
+    grouped = group_calls(device_events(paths[0]))
+    if len(grouped) != calls * len(fns):
+        raise RuntimeError(f"the trace holds {len(grouped)} calls, not {calls} x {len(fns)}")
+    return {name: grouped[i * calls:(i + 1) * calls] for i, name in enumerate(fns)}
 
 
 def torch_topk_us(x, k: int, calls: int = 50, trials: int = 5):
@@ -364,10 +376,9 @@ def topk_forms(cfg, a):
                 continue
             x = jax.random.normal(jax.random.PRNGKey(rows + n), (rows, n), jnp.float32)
             lengths = jnp.full((rows,), n, jnp.int32)
-            once = summarize(trace_calls(jax.jit(lambda v, l: jnp.max(v, axis=1)), (x, lengths), a.calls, busy,
-                                         busy_arg))["span_us"]
-            cells = []
-            for k in a.topk_ks or [cfg.topk_pools]:
+            fns = {"read": (jax.jit(lambda v, l: jnp.max(v, axis=1)), (x, lengths))}
+            ks = a.topk_ks or [cfg.topk_pools]
+            for k in ks:
                 fs = {"sampled": jax.jit(lambda v, l, k=k: dense_topk.select_candidates(
                           v, l, dense_topk.collect_candidates(v, l, *dense_topk.sample_guesses(v, l, k), k), k)),
                       "pallas": jax.jit(lambda v, l, k=k: ops.topk_pools(v, l, k, implementation="pallas"))}
@@ -376,11 +387,12 @@ def topk_forms(cfg, a):
                 want = np.asarray(fs["pallas"](x, lengths))
                 if any(not np.array_equal(np.asarray(f(x, lengths)), want) for f in fs.values()):
                     raise SystemExit(f"topk [{rows}, {n}] k={k}: the forms' ids differ")
-                s = {nm: summarize(trace_calls(f, (x, lengths), a.calls, busy, busy_arg))["span_us"]
-                     for nm, f in fs.items()}
-                cells.append(f"k={k}: sampled {s['sampled']:.1f} / rows "
-                             + (f"{s['rows']:.1f}" if "rows" in s else "-") + f" / pallas {s['pallas']:.1f}")
-            print(f"[{rows}, {n}] read {once:.1f}; " + "; ".join(cells), flush=True)
+                fns.update({(k, nm): (f, (x, lengths)) for nm, f in fs.items()})
+            s = {key: summarize(c)["span_us"] for key, c in trace_many(fns, a.calls, busy, busy_arg).items()}
+            cells = [f"k={k}: sampled {s[k, 'sampled']:.1f} / rows "
+                     + (f"{s[k, 'rows']:.1f}" if (k, "rows") in s else "-") + f" / pallas {s[k, 'pallas']:.1f}"
+                     for k in ks]
+            print(f"[{rows}, {n}] read {s['read']:.1f}; " + "; ".join(cells), flush=True)
 
 
 def print_rows(rows):

@@ -303,7 +303,8 @@ def test_trace_read_topk_forms_checks_and_prints_every_form(monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.topk_rows", rows)
     monkeypatch.setattr(tr.ops, "topk_pools", lambda v, l, k, implementation=None: ids(v, l, k))
     monkeypatch.setattr(tr, "busy_kernel", lambda: None)
-    monkeypatch.setattr(tr, "trace_calls", lambda f, args, calls, busy, arg: (jax.block_until_ready(f(*args)),))
+    monkeypatch.setattr(tr, "trace_many", lambda fns, calls, busy, arg: {
+        name: (jax.block_until_ready(f(*args)),) for name, (f, args) in fns.items()})
     monkeypatch.setattr(tr, "summarize", lambda calls: {"span_us": 2.5})
     tr.main(["--topk-forms", "--topk-form-rows", "3", "1", "--topk-form-cols", "40", "70000",
              "--topk-ks", "4", "8", "--calls", "2"])
