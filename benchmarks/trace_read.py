@@ -139,7 +139,8 @@ def trace_calls(f, args, calls: int, busy, busy_arg):
 def trace_many(fns, calls: int, busy, busy_arg):
     """trace_calls for every name -> (jitted f, args) of `fns` in one profiler session
     (starting and reading a trace takes seconds): `calls` executions of each, in order;
-    returns name -> group_calls' dicts."""
+    returns name -> group_calls' dicts (of one function: all the trace holds, as
+    trace_calls always returned; of several: `calls` each, their count checked)."""
     for f, args in fns.values():
         jax.block_until_ready(f(*args))                              # compile + warm up
     jax.block_until_ready(busy(busy_arg))
@@ -153,6 +154,8 @@ def trace_many(fns, calls: int, busy, busy_arg):
     if not paths:
         raise RuntimeError(f"jax.profiler wrote no xplane.pb under {d}")
     grouped = group_calls(device_events(paths[0]))
+    if len(fns) == 1:
+        return {name: grouped for name in fns}
     if len(grouped) != calls * len(fns):
         raise RuntimeError(f"the trace holds {len(grouped)} calls, not {calls} x {len(fns)}")
     return {name: grouped[i * calls:(i + 1) * calls] for i, name in enumerate(fns)}

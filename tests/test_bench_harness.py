@@ -317,3 +317,41 @@ def test_trace_read_topk_forms_checks_and_prints_every_form(monkeypatch, capsys)
         tr.main(["--topk-forms", "--topk-form-rows", "2", "--topk-form-cols", "40", "--topk-ks", "4"])
     tr.main(["--topk-forms", "--topk-form-rows", "8192", "--topk-form-cols", "70000", "--topk-ks", "4"])
     assert "skipped: more than 2 GiB" in capsys.readouterr().out
+
+
+def test_trace_many_splits_one_session_in_call_order(monkeypatch):
+    """trace_read.trace_many: the functions' calls, traced in one session, come back per
+    function in the order they ran (`calls` each, split at the busy kernels); a trace
+    holding another count of calls is an error, and a single function gets all the
+    trace holds, as trace_calls does. Here the profiler and its events are stand-ins."""
+    import contextlib
+    import glob as glob_mod
+
+    import pytest
+    import trace_read as tr
+    ran = []
+    fns = {name: ((lambda name=name: ran.append(name) or 0), ()) for name in ("a", "b", "c")}
+
+    def events(warm=3, extra=0):
+        out, t = [], 0.0
+        for name in ran[warm:] + ["c"] * extra:                  # the traced calls, after the warm-ups
+            out += [(t, 1.0, tr.BUSY_NAME), (t + 2.0, 3.0 + len(name), f"kernel_{name}")]
+            t += 10.0
+        return out
+
+    monkeypatch.setattr(tr.jax.profiler, "trace", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(glob_mod, "glob", lambda *a, **k: ["x.xplane.pb"])
+    monkeypatch.setattr(tr.jax, "block_until_ready", lambda v: v)
+    busy = lambda arg: None                                          # noqa: E731
+    monkeypatch.setattr(tr, "device_events", lambda path: events())
+    got = tr.trace_many(fns, 2, busy, None)
+    assert ran == ["a", "b", "c", "a", "a", "b", "b", "c", "c"]
+    assert list(got) == ["a", "b", "c"]
+    assert all([c["names"] for c in got[n]] == [[f"kernel_{n}"]] * 2 for n in "abc")
+    ran.clear()
+    monkeypatch.setattr(tr, "device_events", lambda path: events(extra=1))
+    with pytest.raises(RuntimeError, match="7 calls, not 2 x 3"):
+        tr.trace_many(fns, 2, busy, None)
+    ran.clear()
+    monkeypatch.setattr(tr, "device_events", lambda path: events(warm=1, extra=1))
+    assert len(tr.trace_calls(fns["a"][0], (), 2, busy, None)) == 3
