@@ -14,6 +14,10 @@
     shape, and on the longest chunk of each prefill the logits kernel with and
     without its group maxima and the row top-k alone (ids checked equal).
 
+With --profile it prints no table: the row top-k of each prefill's first and last
+chunk runs once inside the CUDA profiler's window, for Nsight Compute (gpu.sh's ncu
+step, case tc-rows).
+
 FLOPs count 2 * 32 heads * 128 * (visible (row, pool) pairs). GPU:
     PYTHONPATH=$PWD python3 benchmarks/bench_prefill.py [--prefills 32768 131072 524288]
 CPU smoke run (tiny sizes, no Triton): --quick.
@@ -37,6 +41,7 @@ from pallas_kernels.core import addressing as addr
 from pallas_kernels.read import workspace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import profile_calls  # noqa: E402
 from bench_read import queries, read_case, time_read  # noqa: E402
 
 
@@ -162,16 +167,12 @@ def bench_shapes(cfg, tokens, mm):
                             tflops=flops / t / 1e12, x_matmul=flops / t / mm))
     finally:
         tct.DEFAULT = default
-    rows = min(tokens, workspace.rows_per_chunk(tokens, addr.pools_in_pages(s, table.shape[1]), k))
-    q, ww = q8[:, -rows:], w[:, -rows:]
-    ctx = ((jnp.arange(tokens - rows, tokens, dtype=jnp.int32) + 1) // cfg.kpool)[None, :]
+    rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last=True)
     case = f"{tokens // 1024}k, {rows} rows"
     for name, mx in (("logits + maxima", True), ("logits", False)):
         f = jax.jit(lambda c, q_, w_, cx, mx=mx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=mx))
         out.append(dict(kind="shapes", case=case, impl=name, ms=wall(f, cache, q, ww, ctx, trials=5) * 1e3))
-    lg, mx = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True))(
-        cache, q, ww, ctx)
-    lg, mx, lens = lg.reshape(rows, -1), mx.reshape(rows, -1), ctx.reshape(-1)
+    lg, mx, lens = chunk_scores(layout, cache, table, q, ww, ctx)
     want = None
     for label, tune in shapes():
         f = jax.jit(lambda a, l, m, tune=tune: tct.topk_pools(a, l, k, m, tune=tune))
@@ -181,6 +182,47 @@ def bench_shapes(cfg, tokens, mm):
         want = got if want is None else want
         out.append(dict(kind="shapes", case=case, impl=f"top-k, {label}", ms=wall(f, lg, lens, mx, trials=5) * 1e3))
     return out
+
+
+def chunk_rows(cfg, layout, table, q8, w, last: bool):
+    """The query rows of a prefill's first or last (longest) chunk on the Triton path
+    (``workspace.rows_per_chunk``): (rows, q8 [1, rows, Hp, 128], w [1, rows, Hp],
+    contexts [1, rows] i32 pools)."""
+    tokens = q8.shape[1]
+    pools = addr.pools_in_pages(layout.strides(0), table.shape[1])
+    rows = min(tokens, workspace.rows_per_chunk(tokens, pools, cfg.topk_pools))
+    lo = tokens - rows if last else 0
+    ctx = ((jnp.arange(lo, lo + rows, dtype=jnp.int32) + 1) // cfg.kpool)[None, :]
+    return rows, q8[:, lo:lo + rows], w[:, lo:lo + rows], ctx
+
+
+def chunk_scores(layout, cache, table, q, w, ctx):
+    """A chunk's logits [rows, n] f32, group maxima [rows, groups] u32 and lengths [rows]
+    from the Triton logits kernel, as select_tokens hands them to the row top-k."""
+    from pallas_kernels.triton_lang import prefill_logits as tcl
+    s = layout.strides(0)
+    lg, mx = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True))(
+        cache, q, w, ctx)
+    rows = ctx.shape[1]
+    return lg.reshape(rows, -1), mx.reshape(rows, -1), ctx.reshape(-1)
+
+
+def profile(cfg, prefills):
+    """--profile: the row top-k (``topk_rows.topk_pools`` with the chunk's maxima, its
+    default shape) of the first and the last chunk of each prefill, one call each
+    inside the CUDA profiler's window (``_timing.profile_calls``; gpu.sh's ncu step)."""
+    from pallas_kernels.triton_lang import topk_rows as tct
+    calls = []
+    for tokens in prefills:
+        layout, cache, table, key, heads = read_case(cfg, 1, tokens)
+        q8, w = queries(key, 1, tokens, heads)
+        for last in (False, True):
+            rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last)
+            lg, mx, lens = chunk_scores(layout, cache, table, q, ww, ctx)
+            f = jax.jit(lambda a, l, m: tct.topk_pools(a, l, cfg.topk_pools, m))
+            calls.append((f"row top-k {tokens // 1024}k {'last' if last else 'first'} chunk ({rows} rows)",
+                          lambda f=f, args=(lg, lens, mx): f(*args)))
+    return profile_calls(calls)
 
 
 def bench_topk(rows_, n, k, impls, reps, trials):
@@ -205,8 +247,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, pallas and xla")
     ap.add_argument("--mosaic", action="store_true",
                     help="also JAX's Mosaic GPU Hopper matmul example on the same 8192^3 product (GPU)")
+    ap.add_argument("--profile", action="store_true",
+                    help="no table: the row top-k of each prefill's first and last chunk inside the CUDA "
+                         "profiler's window, for ncu --profile-from-start off (GPU)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.profile:
+        return profile(IndexerConfig(), a.prefills)
     impls = a.impls.split(",")
     prefills = a.prefills
     if a.quick:

@@ -26,7 +26,9 @@
 #   writes-triton: WRITES_IMPLS [pallas,triton,xla] -> writes-triton.txt.
 #   ncu: CASES [compress decode1 decode4]: compress (TOKENS [131072] tokens), decode1 / decode4 (B = 256,
 #     next_n 1 / 4), decode4b1 (B = 1, next_n 4), select (decode select_tokens, B = 64 x 128k), topk
-#     ([64, 131072], k = 512); SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*.
+#     ([64, 131072], k = 512); the Triton read path (needs .whl): tc-select (decode select_tokens, B = 1 x
+#     32k), tc-topk ([64, 131072], k = 512 and 2048), tc-rows (the row top-k of a 32k prefill's first and
+#     last chunk); SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*.
 #   shapes: DECODE_VARIANTS [forward:1 forward:2 forward:8] (program:warps), COMPRESS_SHAPES [2x4 4x2 4x8 8x4 8x8]
 #     (tile x warps); " " for none -> shapes.*. read: TRACE_READ_ARGS, PREFILLS [32768 131072] -> read_*.
 #   read-sweep: SWEEP_ONLY [logits topk] -> read-sweep.txt.
@@ -104,10 +106,16 @@ step_ncu() {
       decode4b1) ARGS="benchmarks/trace_writes.py --profile decode:1:4" ;;
       select) ARGS="benchmarks/trace_read.py --profile --skip-topk --batches 64 --contexts 131072" ;;
       topk) ARGS="benchmarks/trace_read.py --profile --skip-decode" ;;
-      *) echo "ncu: unknown case $CASE (compress decode1 decode4 decode4b1 select topk)"; rc=2; continue ;;
+      tc-select) ARGS="benchmarks/trace_read.py --profile --impls triton --skip-topk --batches 1 --contexts 32768" ;;
+      tc-topk) ARGS="benchmarks/trace_read.py --profile --impls triton --skip-decode --topk-ks 512 2048" ;;
+      tc-rows) ARGS="benchmarks/bench_prefill.py --profile --prefills 32768" ;;
+      *) echo "ncu: unknown case $CASE (compress decode1 decode4 decode4b1 select topk tc-select tc-topk tc-rows)"
+         rc=2; continue ;;
     esac
+    # the Pallas kernels are named kpool_*, the Triton ones by their function (..._kernel)
     timed "${NCU_S:-150}" "ncu_$CASE.log" "$NCU" --profile-from-start off --cache-control none \
-      --clock-control none --kernel-name regex:kpool --section SourceCounters --metrics "$M" -f -o "/tmp/ncu_$CASE" \
+      --clock-control none --kernel-name "regex:kpool|_kernel$" --section SourceCounters --metrics "$M" \
+      -f -o "/tmp/ncu_$CASE" \
       env PYTHONPATH="$PYTHONPATH" python3 $ARGS || rc=$?
     grep -E "profiled|rc=|ERR" "$OUT/ncu_$CASE.log" | tail -3
     "$NCU" --import "/tmp/ncu_$CASE.ncu-rep" --page source --print-source sass --csv > "/tmp/sass_$CASE.csv" 2>&1

@@ -28,10 +28,11 @@ with CUDA is importable (the H200 image has it), torch.topk on the same scores
 timed with CUDA events over 50 back-to-back calls (its launches queued ahead the
 same way; no profiler).
 
---profile traces nothing: one call of each case's Pallas path (the decode
-select_tokens, then topk_pools) runs between cudaProfilerStart and
-cudaProfilerStop after a warm-up call, for ``ncu --profile-from-start off``
-(benchmarks/gpu.sh, step ncu): its kernels in launch order.
+--profile traces nothing: one call of each case (the decode select_tokens, then
+topk_pools at each --topk-ks) per --impls implementation (here the Pallas kernels
+unless named) runs between cudaProfilerStart and cudaProfilerStop after a warm-up
+call, for ``ncu --profile-from-start off`` (benchmarks/gpu.sh, step ncu): its
+kernels in launch order.
 """
 from __future__ import annotations
 
@@ -192,8 +193,9 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[64], help="decode requests")
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072], help="decode context tokens")
     ap.add_argument("--xla", action="store_true", help="also trace the XLA reference's decode select_tokens")
-    ap.add_argument("--impls", nargs="+", choices=sorted(DECODE_SELECTORS), default=["pallas", "triton"],
-                    help="decode select_tokens and topk_pools implementations to trace (ratios against the first)")
+    ap.add_argument("--impls", nargs="+", choices=sorted(DECODE_SELECTORS),
+                    help="decode select_tokens and topk_pools implementations to trace (ratios against the "
+                         "first; default pallas triton, with --profile pallas)")
     ap.add_argument("--topk-rows", type=int, default=64)
     ap.add_argument("--topk-cols", type=int, default=131072)
     ap.add_argument("--topk-ks", type=int, nargs="+", help="top-k sizes (default: the config's topk_pools)")
@@ -211,6 +213,7 @@ def main(argv=None):
                     help="no table: the split top-k's launches (decode, implementation='triton') under their "
                          "tuning variants, per kernel, for every --batches x --contexts case")
     a = ap.parse_args(argv)
+    a.impls = a.impls or (["pallas"] if a.profile else ["pallas", "triton"])
     cfg = IndexerConfig()
     if a.profile:
         return profile(cfg, a)
@@ -278,23 +281,28 @@ def main(argv=None):
 
 
 def profile(cfg, a):
-    """One call of each decode case's default select_tokens and of topk_pools (unless
-    skipped) inside the CUDA profiler's window (``_timing.profile_calls``)."""
+    """One call of each decode case's select_tokens and of topk_pools at each --topk-ks
+    (unless skipped), per --impls implementation, inside the CUDA profiler's window
+    (``_timing.profile_calls``)."""
     calls = []
     for batch in ([] if a.skip_decode else a.batches):
         for ctx_tokens in a.contexts:
             layout, cache, table, key, heads = br.read_case(cfg, batch, ctx_tokens)
             q8, w = br.queries(key, batch, 1, heads)
             pos = jnp.full((batch, 1), ctx_tokens - 1, jnp.int32)
-            f = jax.jit(br.selectors(layout, False)["pallas unfused"])
-            calls.append((f"select_tokens B={batch} ctx={ctx_tokens}",
-                          lambda f=f, args=(cache, q8, w, table, pos): f(*args)))
+            sels = br.selectors(layout, False, triton="triton" in a.impls)
+            for impl in a.impls:
+                f = jax.jit(sels[DECODE_SELECTORS[impl]])
+                calls.append((f"select_tokens {impl} B={batch} ctx={ctx_tokens}",
+                              lambda f=f, args=(cache, q8, w, table, pos): f(*args)))
     if not a.skip_topk:
-        n, k = a.topk_cols, cfg.topk_pools
+        n = a.topk_cols
         x = jax.random.normal(jax.random.PRNGKey(7), (a.topk_rows, n), jnp.float32)
         lengths = jnp.full((a.topk_rows,), n, jnp.int32)
-        f = jax.jit(lambda x, l: ops.topk_pools(x, l, k, implementation="pallas"))
-        calls.append((f"topk_pools [{a.topk_rows}, {n}] k={k}", lambda: f(x, lengths)))
+        for k in a.topk_ks or [cfg.topk_pools]:
+            for impl in a.impls:
+                f = jax.jit(lambda x, l, k=k, impl=impl: ops.topk_pools(x, l, k, implementation=impl))
+                calls.append((f"topk_pools {impl} [{a.topk_rows}, {n}] k={k}", lambda f=f: f(x, lengths)))
     return profile_calls(calls)
 
 

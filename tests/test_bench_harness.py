@@ -215,7 +215,11 @@ def test_profile_modes_run_every_case(capsys):
             "seed 512 tokens / 64 requests; compress 512 tokens / 64 requests") in out, out
     tr.main(["--profile", "--batches", "2", "--contexts", "4096", "--topk-rows", "4", "--topk-cols", "2048"])
     out = capsys.readouterr().out
-    assert "profiled, in order: select_tokens B=2 ctx=4096; topk_pools [4, 2048] k=512" in out, out
+    assert "profiled, in order: select_tokens pallas B=2 ctx=4096; topk_pools pallas [4, 2048] k=512" in out, out
+    tr.main(["--profile", "--skip-decode", "--topk-rows", "4", "--topk-cols", "2048", "--topk-ks", "64", "128",
+             "--impls", "pallas"])
+    out = capsys.readouterr().out
+    assert "profiled, in order: topk_pools pallas [4, 2048] k=64; topk_pools pallas [4, 2048] k=128" in out, out
     import pytest
     with pytest.raises(SystemExit, match="bad case"):
         tw.profile_case(np.random.default_rng(0), "decode:2")
@@ -355,3 +359,44 @@ def test_trace_many_splits_one_session_in_call_order(monkeypatch):
     ran.clear()
     monkeypatch.setattr(tr, "device_events", lambda path: events(warm=1, extra=1))
     assert len(tr.trace_calls(fns["a"][0], (), 2, busy, None)) == 3
+
+
+def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsys):
+    """bench_prefill.py --profile (gpu.sh's ncu case tc-rows): the row top-k of each
+    prefill's first and last chunk, on the chunk's logits and maxima, one call each in
+    the profiler's window. The Triton modules are stand-ins here (zero logits of the
+    kernel's shapes, the reference's top-k), so the CPU runs the planning and the calls."""
+    import types
+
+    import bench_prefill as bp
+    import numpy as np
+    from glm5_jax import reference as ref
+    from pallas_kernels.core import addressing as addr
+    from pallas_kernels.read import workspace
+    seen = []
+
+    def paged_logits(c, s, q, w, table, ctx, fill, maxima):
+        n = table.shape[1] * s.page_rows
+        seen.append(q.shape[1])
+        return (jnp.zeros(ctx.shape + (n,), jnp.float32),
+                jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32))
+
+    monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.prefill_logits",
+                        types.SimpleNamespace(paged_logits=paged_logits))
+    monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.topk_rows",
+                        types.SimpleNamespace(topk_pools=lambda a, l, k, m: ref.topk_pools(a, l, k)))
+    bp.main(["--profile", "--prefills", "4096"])
+    out = capsys.readouterr().out
+    assert "profiled, in order: row top-k 4k first chunk (4096 rows); row top-k 4k last chunk (4096 rows)" in out
+    assert seen == [4096, 4096]                                 # one chunk holds the whole prompt
+    from glm5_jax.config import IndexerConfig
+    cfg = IndexerConfig()
+    tokens = 40000
+    layout, _, table, _, _ = bp.read_case(cfg, 1, tokens)
+    q8, w = jnp.zeros((1, tokens, 1, 1)), jnp.zeros((1, tokens, 1))
+    rows = workspace.rows_per_chunk(tokens, addr.pools_in_pages(layout.strides(0), table.shape[1]), cfg.topk_pools)
+    assert rows < tokens                                        # two chunks or more
+    for last, lo in ((False, 0), (True, tokens - rows)):
+        got_rows, q, ww, ctx = bp.chunk_rows(cfg, layout, table, q8, w, last)
+        assert got_rows == rows and q.shape[1] == ww.shape[1] == rows
+        np.testing.assert_array_equal(np.asarray(ctx[0]), (np.arange(lo, lo + rows) + 1) // cfg.kpool)
