@@ -13,6 +13,15 @@ No torch: a small numpy-backed stand-in gives Triton's interpreter the pointers.
         Compiles every kernel for sm_90 through jax_triton 0.3.1's own compile path
         (TTIR -> TTGIR -> LLIR -> PTX) and then ptxas (bundled with triton), and checks
         the word addressing is 64-bit. Needs the jax_triton wheel in .whl/.
+    PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py sass [--save DIR]
+        The read path's top-k launches, exactly as the ops make them at one shape each
+        (run_read intercepted under jax.eval_shape), compiled the same way and
+        disassembled (nvdisasm, bundled with triton): per kernel the registers, spills,
+        shared memory, SASS instructions, barriers and shared-memory accesses, and per
+        loop of more than 60 instructions the same counts. Barriers and shared-memory
+        round trips inside a loop are layout conversions or block-wide reductions, the
+        costs a profile of these kernels shows; this compares kernel variants on a
+        machine without a GPU. --save DIR keeps each kernel's PTX and SASS.
 
 The interpreter runs programs one after another, so it cannot show races between
 programs or missing barriers; the GPU tests (tests/test_triton.py) do.
@@ -367,6 +376,121 @@ def check_compile():
     return bad
 
 
+def read_launches():
+    """(label, captured run_read call) of the top-k launches the ops make at one shape
+    each: run_read is replaced by a recorder that returns zeros of the output shapes,
+    and the jitted wrappers are traced with jax.eval_shape (nothing runs)."""
+    from pallas_kernels.read import workspace
+    from pallas_kernels.triton_lang import _call, dense_topk, split_topk, topk_rows
+    recorded = []
+
+    def record(kernel, scalars, arrays, out_shape, **kw):
+        recorded.append(dict(kernel=kernel, scalars=scalars, arrays=[a.aval for a in arrays],
+                             outs=list(out_shape) if isinstance(out_shape, tuple) else [out_shape], **kw))
+        return tuple(jnp.zeros(o.shape, o.dtype) for o in out_shape) if isinstance(out_shape, tuple) \
+            else jnp.zeros(out_shape.shape, out_shape.dtype)
+
+    def f32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    def u32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.uint32)
+
+    k = 512
+    rows, n = 11070, 8192                         # a 32k prefill's last chunk
+    cases = [
+        ("row top-k, prefill chunk", lambda: topk_rows.topk_pools(
+            f32(rows, n), i32(rows), k, u32(rows, workspace.maxima_cols(n)))),
+        ("dense top-k [64, 131072]", lambda: dense_topk.topk_pools(f32(64, 131072), i32(64), k)),
+        ("split top-k [1, 8192]", lambda: split_topk.topk_pools_split(
+            f32(1, 8192), i32(1), k, u32(1, workspace.maxima_cols(8192)), workspace.MAXIMA_GROUP_POOLS)),
+    ]
+    saved = _call.run_read
+    _call.run_read = record
+    try:
+        out = []
+        for label, f in cases:
+            recorded.clear()
+            jax.eval_shape(f)
+            out += [(f"{label}: {r['name']}", r) for r in recorded]
+        return out
+    finally:
+        _call.run_read = saved
+
+
+def sass_loops(sass: str, least: int = 60):
+    """[(first, last, instructions, barriers, shared accesses)] of the backward branches'
+    loops in nvdisasm text (labels .L_x_N), those of more than `least` instructions."""
+    import re
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        lm = re.match(r"^(\.L_x_\d+):", line.strip())
+        if lm:
+            pending.append(lm.group(1))
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            labels.update({p: len(ins) for p in pending})
+            pending = []
+            ins.append(m.group(1).strip())
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split(" ")[0] for x in ins]      # the opcode, predicate dropped
+    loops = []
+    for i, t in enumerate(ins):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)
+        if m and labels.get(m.group(1), i + 1) <= i and i + 1 - labels[m.group(1)] > least:
+            body = ops[labels[m.group(1)]:i + 1]
+            loops.append((labels[m.group(1)], i, len(body), sum(o.startswith("BAR.SYNC") for o in body),
+                          sum(o.startswith(("STS", "LDS")) for o in body)))
+    return ins, loops
+
+
+def check_sass():
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    save = sys.argv[sys.argv.index("--save") + 1] if "--save" in sys.argv else None
+    jtl = _load_jax_triton_lib()
+    jtl.triton_kernel_call_lib = type("Fake", (), {"TritonKernel": staticmethod(lambda *a: a)})
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    bad = 0
+    for label, r in read_launches():
+        scalars = [(i, jtl.get_triton_type(v), v) for i, v in enumerate(r["scalars"])]
+        arg_dtypes = ([t for _, t, _ in scalars]
+                      + [jtl.get_triton_type(jax.core.ShapedArray(a.shape, a.dtype)) for a in r["arrays"] + r["outs"]])
+        kern, _ = jtl.get_or_create_triton_kernel(
+            jtl.get_cuda_backend, "cuda", r["kernel"], arg_dtypes, scalars, num_warps=r["num_warps"],
+            num_stages=r["num_stages"], num_ctas=1, compute_capability=90, enable_fp_fusion=True,
+            metaparams=r["constexprs"], dump=False)
+        name, _, _, shared, ptx, _, _ = kern
+        with tempfile.TemporaryDirectory() as tmp:
+            open(f"{tmp}/k.ptx", "w").write(ptx)
+            asm = subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                                 capture_output=True, text=True)
+            sass = subprocess.run([str(tools / "nvdisasm"), "-c", f"{tmp}/k.cubin"], capture_output=True,
+                                  text=True).stdout if asm.returncode == 0 else ""
+        if save:
+            os.makedirs(save, exist_ok=True)
+            stem = os.path.join(save, r["name"])
+            open(stem + ".ptx", "w").write(ptx)
+            open(stem + ".sass", "w").write(sass)
+        regs = re.findall(r"Used (\d+) registers", asm.stderr)
+        spills = re.findall(r"(\d+) bytes spill stores", asm.stderr)
+        ins, loops = sass_loops(sass)
+        bars = sum("BAR.SYNC" in x for x in ins)
+        bad += asm.returncode != 0 or not ins
+        print(f"  {label}: grid {r['grid']} warps {r['num_warps']} regs {regs} spill stores {spills} B "
+              f"shared {shared} B; {len(ins)} SASS, {bars} barriers")
+        for first, last, size, lbars, smem in loops:
+            print(f"      loop [{first}, {last}]: {size} instructions, {lbars} barriers, {smem} shared accesses")
+        if asm.returncode:
+            print(asm.stderr[-2000:])
+    return bad
+
+
 def main():
     seed = (int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv
             else int.from_bytes(os.urandom(4), "little"))
@@ -377,8 +501,10 @@ def main():
             + check_launch_variants(rng) + check_vectors()
     elif MODE == "compile":
         bad = check_compile()
+    elif MODE == "sass":
+        bad = check_sass()
     else:
-        raise SystemExit(f"unknown mode {MODE!r} (interpret | compile)")
+        raise SystemExit(f"unknown mode {MODE!r} (interpret | compile | sass)")
     print("TRITON DEV CHECK:", "passed" if bad == 0 else f"FAILED ({bad})")
     return 1 if bad else 0
 
