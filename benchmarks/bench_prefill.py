@@ -14,8 +14,8 @@
     shape, and on the longest chunk of each prefill the logits kernel with and
     without its group maxima and the row top-k alone (ids checked equal).
 
-With --profile it prints no table: the row top-k of each prefill's first and last
-chunk runs once inside the CUDA profiler's window, for Nsight Compute (gpu.sh's ncu
+With --profile it prints no table: the row top-k of each prefill's first chunk and
+of its last chunk's worth of rows runs once inside the CUDA profiler's window, for Nsight Compute (gpu.sh's ncu
 step, case tc-rows).
 
 FLOPs count 2 * 32 heads * 128 * (visible (row, pool) pairs). GPU:
@@ -185,32 +185,35 @@ def bench_shapes(cfg, tokens, mm):
 
 
 def chunk_rows(cfg, layout, table, q8, w, last: bool):
-    """The query rows of a prefill's first or last (longest) chunk on the Triton path
-    (``workspace.rows_per_chunk``): (rows, q8 [1, rows, Hp, 128], w [1, rows, Hp],
-    contexts [1, rows] i32 pools)."""
+    """A chunk's worth of a prefill's query rows on the Triton path
+    (``workspace.rows_per_chunk``): its first chunk, or with `last` as many rows from
+    its end (the longest contexts; the path's own last chunk may be shorter). Returns
+    (rows, q8 [1, rows, Hp, 128], w [1, rows, Hp], ctx_pools [1, rows] i32)."""
     tokens = q8.shape[1]
     pools = addr.pools_in_pages(layout.strides(0), table.shape[1])
     rows = min(tokens, workspace.rows_per_chunk(tokens, pools, cfg.topk_pools))
     lo = tokens - rows if last else 0
-    ctx = ((jnp.arange(lo, lo + rows, dtype=jnp.int32) + 1) // cfg.kpool)[None, :]
-    return rows, q8[:, lo:lo + rows], w[:, lo:lo + rows], ctx
+    ctx_pools = ((jnp.arange(lo, lo + rows, dtype=jnp.int32) + 1) // cfg.kpool)[None, :]
+    return rows, q8[:, lo:lo + rows], w[:, lo:lo + rows], ctx_pools
 
 
-def chunk_scores(layout, cache, table, q, w, ctx):
-    """A chunk's logits [rows, n] f32, group maxima [rows, groups] u32 and lengths [rows]
-    from the Triton logits kernel, as select_tokens hands them to the row top-k."""
+def chunk_scores(layout, cache, table, q, w, ctx_pools):
+    """The rows' logits [rows, n] f32, group maxima [rows, groups] u32 and lengths
+    [rows] i32 pools from the Triton logits kernel, as select_tokens hands them to the
+    row top-k."""
     from pallas_kernels.triton_lang import prefill_logits as tcl
     s = layout.strides(0)
     lg, mx = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True))(
-        cache, q, w, ctx)
-    rows = ctx.shape[1]
-    return lg.reshape(rows, -1), mx.reshape(rows, -1), ctx.reshape(-1)
+        cache, q, w, ctx_pools)
+    rows = ctx_pools.shape[1]
+    return lg.reshape(rows, -1), mx.reshape(rows, -1), ctx_pools.reshape(-1)
 
 
 def profile(cfg, prefills):
-    """--profile: the row top-k (``topk_rows.topk_pools`` with the chunk's maxima, its
-    default shape) of the first and the last chunk of each prefill, one call each
-    inside the CUDA profiler's window (``_timing.profile_calls``; gpu.sh's ncu step)."""
+    """--profile: the row top-k (``topk_rows.topk_pools`` with the rows' maxima, its
+    default shape) of the first chunk and of the last chunk's worth of rows of each
+    prefill (``chunk_rows``), one call each inside the CUDA profiler's window
+    (``_timing.profile_calls``; gpu.sh's ncu step)."""
     from pallas_kernels.triton_lang import topk_rows as tct
     calls = []
     for tokens in prefills:
@@ -220,7 +223,7 @@ def profile(cfg, prefills):
             rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last)
             lg, mx, lens = chunk_scores(layout, cache, table, q, ww, ctx)
             f = jax.jit(lambda a, l, m: tct.topk_pools(a, l, cfg.topk_pools, m))
-            calls.append((f"row top-k {tokens // 1024}k {'last' if last else 'first'} chunk ({rows} rows)",
+            calls.append((f"row top-k {tokens // 1024}k {'last' if last else 'first'} {rows} rows",
                           lambda f=f, args=(lg, lens, mx): f(*args)))
     return profile_calls(calls)
 

@@ -27,8 +27,8 @@
 #   ncu: CASES [compress decode1 decode4]: compress (TOKENS [131072] tokens), decode1 / decode4 (B = 256,
 #     next_n 1 / 4), decode4b1 (B = 1, next_n 4), select (decode select_tokens, B = 64 x 128k), topk
 #     ([64, 131072], k = 512); the Triton read path (needs .whl): tc-select (decode select_tokens, B = 1 x
-#     32k), tc-topk ([64, 131072], k = 512 and 2048), tc-rows (the row top-k of a 32k prefill's first and
-#     last chunk); SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*.
+#     32k), tc-topk ([64, 131072], k = 512 and 2048), tc-rows (the row top-k of a 32k prefill's first chunk
+#     and of its last chunk's worth of rows); SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*.
 #   shapes: DECODE_VARIANTS [forward:1 forward:2 forward:8] (program:warps), COMPRESS_SHAPES [2x4 4x2 4x8 8x4 8x8]
 #     (tile x warps); " " for none -> shapes.*. read: TRACE_READ_ARGS, PREFILLS [32768 131072] -> read_*.
 #   read-sweep: SWEEP_ONLY [logits topk] -> read-sweep.txt.

@@ -140,8 +140,8 @@ def trace_calls(f, args, calls: int, busy, busy_arg):
 def trace_many(fns, calls: int, busy, busy_arg):
     """trace_calls for every name -> (jitted f, args) of `fns` in one profiler session
     (starting and reading a trace takes seconds): `calls` executions of each, in order;
-    returns name -> group_calls' dicts (of one function: all the trace holds, as
-    trace_calls always returned; of several: `calls` each, their count checked)."""
+    returns name -> group_calls' dicts (of one function: every call the trace holds;
+    of several: `calls` each, their count checked)."""
     for f, args in fns.values():
         jax.block_until_ready(f(*args))                              # compile + warm up
     jax.block_until_ready(busy(busy_arg))

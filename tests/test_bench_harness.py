@@ -287,6 +287,16 @@ def test_the_tree_cites_existing_tools_and_steps():
     assert not unknown, "gpu.sh steps that do not exist:\n" + "\n".join(unknown)
 
 
+def stand_in_triton_modules(monkeypatch, **modules):
+    """Replace modules of pallas_kernels.triton_lang for one test: in sys.modules and as
+    the package's attributes (``from pallas_kernels.triton_lang import x`` reads the
+    attribute first, so a module a GPU run imported earlier would win otherwise)."""
+    import pallas_kernels.triton_lang as package
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, f"pallas_kernels.triton_lang.{name}", module)
+        monkeypatch.setattr(package, name, module, raising=False)
+
+
 def test_trace_read_topk_forms_checks_and_prints_every_form(monkeypatch, capsys):
     """trace_read.py --topk-forms (the table behind topk_pools' default): per shape and k
     it times the sampled form, one program per row where that finishes in time, and the
@@ -303,8 +313,7 @@ def test_trace_read_topk_forms_checks_and_prints_every_form(monkeypatch, capsys)
                                   collect_candidates=lambda v, l, g, c, k: (v, l),
                                   select_candidates=lambda v, l, cand, k: ids(v, l, k))
     rows = types.SimpleNamespace(topk_pools=lambda v, l, k: ids(v, l, k))
-    monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.dense_topk", dense)
-    monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.topk_rows", rows)
+    stand_in_triton_modules(monkeypatch, dense_topk=dense, topk_rows=rows)
     monkeypatch.setattr(tr.ops, "topk_pools", lambda v, l, k, implementation=None: ids(v, l, k))
     monkeypatch.setattr(tr, "busy_kernel", lambda: None)
     monkeypatch.setattr(tr, "trace_many", lambda fns, calls, busy, arg: {
@@ -363,7 +372,7 @@ def test_trace_many_splits_one_session_in_call_order(monkeypatch):
 
 def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsys):
     """bench_prefill.py --profile (gpu.sh's ncu case tc-rows): the row top-k of each
-    prefill's first and last chunk, on the chunk's logits and maxima, one call each in
+    prefill's first and last chunk's worth of rows, on their logits and maxima, one call each in
     the profiler's window. The Triton modules are stand-ins here (zero logits of the
     kernel's shapes, the reference's top-k), so the CPU runs the planning and the calls."""
     import types
@@ -381,13 +390,11 @@ def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsy
         return (jnp.zeros(ctx.shape + (n,), jnp.float32),
                 jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32))
 
-    monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.prefill_logits",
-                        types.SimpleNamespace(paged_logits=paged_logits))
-    monkeypatch.setitem(sys.modules, "pallas_kernels.triton_lang.topk_rows",
-                        types.SimpleNamespace(topk_pools=lambda a, l, k, m: ref.topk_pools(a, l, k)))
+    stand_in_triton_modules(monkeypatch, prefill_logits=types.SimpleNamespace(paged_logits=paged_logits),
+                            topk_rows=types.SimpleNamespace(topk_pools=lambda a, l, k, m: ref.topk_pools(a, l, k)))
     bp.main(["--profile", "--prefills", "4096"])
     out = capsys.readouterr().out
-    assert "profiled, in order: row top-k 4k first chunk (4096 rows); row top-k 4k last chunk (4096 rows)" in out
+    assert "profiled, in order: row top-k 4k first 4096 rows; row top-k 4k last 4096 rows" in out
     assert seen == [4096, 4096]                                 # one chunk holds the whole prompt
     from glm5_jax.config import IndexerConfig
     cfg = IndexerConfig()

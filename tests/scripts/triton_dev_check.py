@@ -15,7 +15,8 @@ No torch: a small numpy-backed stand-in gives Triton's interpreter the pointers.
         the word addressing is 64-bit. Needs the jax_triton wheel in .whl/.
     PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py sass [--save DIR]
         The read path's top-k launches, exactly as the ops make them at one shape each
-        (run_read intercepted under jax.eval_shape), compiled the same way and
+        (run_read intercepted under jax.eval_shape: the row top-k of a prefill chunk, the
+        dense top-k, the decode split top-k), compiled the same way and
         disassembled (nvdisasm, bundled with triton): per kernel the registers, spills,
         shared memory, SASS instructions, barriers and shared-memory accesses, and per
         loop of more than 60 instructions the same counts. Barriers and shared-memory
@@ -405,8 +406,9 @@ def read_launches():
         ("row top-k, prefill chunk", lambda: topk_rows.topk_pools(
             f32(rows, n), i32(rows), k, u32(rows, workspace.maxima_cols(n)))),
         ("dense top-k [64, 131072]", lambda: dense_topk.topk_pools(f32(64, 131072), i32(64), k)),
-        ("split top-k [1, 8192]", lambda: split_topk.topk_pools_split(
-            f32(1, 8192), i32(1), k, u32(1, workspace.maxima_cols(8192)), workspace.MAXIMA_GROUP_POOLS)),
+        ("decode split top-k [1, 8192]", lambda: split_topk.select_tokens_split(       # B = 1 x 32k tokens
+            f32(1, 8192), i32(1), k, u32(1, workspace.maxima_cols(8192)), workspace.MAXIMA_GROUP_POOLS, 4,
+            i32(1))),
     ]
     saved = _call.run_read
     _call.run_read = record
@@ -415,7 +417,9 @@ def read_launches():
         for label, f in cases:
             recorded.clear()
             jax.eval_shape(f)
-            out += [(f"{label}: {r['name']}", r) for r in recorded]
+            if not recorded:
+                raise SystemExit(f"{label}: no launch recorded (run_read not called through _call)")
+            out += [(f"{label}: {r['name']} #{i}", r) for i, r in enumerate(recorded)]
         return out
     finally:
         _call.run_read = saved
@@ -474,11 +478,11 @@ def check_sass():
                                   text=True).stdout if asm.returncode == 0 else ""
         if save:
             os.makedirs(save, exist_ok=True)
-            stem = os.path.join(save, r["name"])
+            stem = os.path.join(save, label.split(": ", 1)[1].replace(" #", "_"))
             open(stem + ".ptx", "w").write(ptx)
             open(stem + ".sass", "w").write(sass)
-        regs = re.findall(r"Used (\d+) registers", asm.stderr)
-        spills = re.findall(r"(\d+) bytes spill stores", asm.stderr)
+        regs = ",".join(re.findall(r"Used (\d+) registers", asm.stderr)) or "?"
+        spills = ",".join(re.findall(r"(\d+) bytes spill stores", asm.stderr)) or "?"
         ins, loops = sass_loops(sass)
         bars = sum("BAR.SYNC" in x for x in ins)
         bad += asm.returncode != 0 or not ins
