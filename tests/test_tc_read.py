@@ -148,9 +148,10 @@ def sample_guess(x, length, k):
     """The dense top-k's guess for a row of scores (topk_sample, in numpy): the top 16
     bits of the sample's t-th best key (0 for an empty row)."""
     n = int(np.clip(length, 0, x.shape[0]))
-    stride = workspace.sample_stride(n)
-    i = np.arange(workspace.SAMPLE_POOLS)
-    col = (i // workspace.SAMPLE_CHUNK_POOLS) * stride + i % workspace.SAMPLE_CHUNK_POOLS
+    sample = workspace.sample_pools(x.shape[0], k)                # sized by the row's columns
+    stride, chunk = workspace.sample_stride(n, sample), workspace.sample_chunk_pools(sample)
+    i = np.arange(sample)
+    col = (i // chunk) * stride + i % chunk
     col = col[col < n]
     t = workspace.sample_rank(n, col.size, k)
     if t == 0:
@@ -177,15 +178,32 @@ def test_dense_topk_guess_lets_about_2k_scores_through(rng, n, k):
 
 
 def test_dense_topk_sample_planning():
-    """The sample: chunks spread evenly over the row (the whole row, or its first columns
-    when the row is too short for a stride of more than one chunk); its rank: exact
-    for a whole row, 2 k scaled otherwise."""
-    assert workspace.sample_stride(131072, 16384, 256) == 2048
-    assert workspace.sample_stride(131072, 8192, 256) == 4096
-    assert workspace.sample_stride(8192, 8192, 256) == 256             # whole row
-    assert workspace.sample_stride(100, 8192, 256) == 256
-    assert workspace.sample_stride(1 << 20, 8192, 256) == 32768
-    assert workspace.sample_stride(16000, 8192, 256) == 256            # too short: the first 8192 columns
+    """The sample: 64 runs spread evenly over the row (the whole row, or its first columns
+    when the row is too short for a stride of more than one run); its size: the least
+    power of two from 2048 that ranks the guess 128 deep, at most 16,384; its rank:
+    exact for a whole row, 2 k scaled otherwise."""
+    assert workspace.sample_chunk_pools(16384) == 256 and workspace.sample_chunk_pools(2048) == 32
+    assert workspace.sample_stride(131072, 16384) == 2048
+    assert workspace.sample_stride(131072, 4096) == 2048                # runs of 64 columns
+    assert workspace.sample_stride(8192, 16384) == 256                  # whole row
+    assert workspace.sample_stride(100, 16384) == 256
+    assert workspace.sample_stride(1 << 20, 16384) == 16384
+    assert workspace.sample_stride(16000, 16384) == 256                 # too short: the first 16,384 columns
+    assert workspace.sample_stride(16000, 2048) == 224                  # 16000 // 64 rounded down to runs of 32
+    assert workspace.sample_pools(131072, 512) == 16384                 # rank 128
+    assert workspace.sample_pools(131072, 2048) == 4096                 # rank 128
+    assert workspace.sample_pools(262144, 2048) == 8192
+    assert workspace.sample_pools(1 << 20, 2048) == 16384               # capped: rank 64
+    assert workspace.sample_pools(1 << 20, 512) == 16384                # capped: rank 16
+    assert workspace.sample_pools(8192, 512) == 2048                    # rank 256 at the least sample
+    assert workspace.sample_pools(1000, 64) == 2048                     # the whole row
+    for n in (4097, 9000, 20000, 131072, 262144, 1 << 20):
+        for k in (64, 512, 1024, 2048):
+            m = workspace.sample_pools(n, k)
+            assert m & (m - 1) == 0 and workspace.SAMPLE_MIN_POOLS <= m <= workspace.SAMPLE_POOLS
+            assert (m == workspace.SAMPLE_POOLS or m >= n
+                    or workspace.sample_rank(n, m, k) >= workspace.SAMPLE_RANK_AIM)
+            assert m == workspace.SAMPLE_MIN_POOLS or workspace.sample_rank(n, m // 2, k) < workspace.SAMPLE_RANK_AIM
     assert workspace.sample_rank(8000, 8000, 512, 2) == 512            # whole row: a floor
     assert workspace.sample_rank(300, 300, 512, 2) == 300
     assert workspace.sample_rank(131072, 8192, 512, 2) == 64
@@ -210,7 +228,7 @@ def test_dense_topk_takes_rows_past_the_registers_with_a_deep_sample():
     assert workspace.dense_topk_takes(64, 262144, 512) and not workspace.dense_topk_takes(64, 270000, 512)
     assert workspace.dense_topk_takes(64, 1 << 20, 2048) and not workspace.dense_topk_takes(64, 1080000, 2048)
     for n in (reg + 1, 9000, 16384, 20000, 131072, 262144):
-        assert workspace.sample_rank(n, min(n, workspace.SAMPLE_POOLS), 512) >= workspace.MIN_SAMPLE_RANK
+        assert workspace.sample_rank(n, min(n, workspace.sample_pools(n, 512)), 512) >= workspace.MIN_SAMPLE_RANK
 
 
 def test_split_planning_covers_each_row_and_fills_the_gpu(rng):

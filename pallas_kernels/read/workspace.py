@@ -20,9 +20,11 @@ FLOOR_MAXIMA = 8192                    # maxima per row the split top-k's floor 
 LOGITS_MIN_PROGRAMS = 528              # logits programs a decode batch spreads over: 4 per SM of the H200 (132 SMs)
 SPLIT_PROGRAMS = 264                   # candidate and rank programs of the split top-k: 2 per SM (docs/benchmarks.md)
 MAX_GRID_ROWS = 65535                  # CUDA's limit on a grid's second axis: the split top-k's rows
-SAMPLE_POOLS = 16384                   # scores the dense top-k samples per row for its guess
+SAMPLE_POOLS = 16384                   # the most scores the dense top-k samples per row for its guess
+SAMPLE_MIN_POOLS = 2048                # the fewest (sample_pools)
+SAMPLE_CHUNKS = 64                     # runs of consecutive columns a sample takes, spread over the row
+SAMPLE_RANK_AIM = 128                  # the rank in its sample a guess aims at: the sample's size follows
 MIN_SAMPLE_RANK = 64                   # the least rank in its sample a guess is taken at (dense_topk_takes)
-SAMPLE_CHUNK_POOLS = 256               # consecutive columns per sampled chunk (whole 32-byte sectors)
 SAMPLE_TARGET_PER_K = 2                # scores per k the dense top-k's guess aims to let through
 DENSE_CANDIDATES_PER_KP = 4            # candidates per padded k the dense top-k's select holds
 REGISTER_ROW_POOLS = 4096              # the longest row the row top-k reads into registers (topk_rows.Tuning)
@@ -82,15 +84,35 @@ def dense_topk_takes(rows: int, n_cols_pools: int, k: int) -> bool:
         return False
     if rows >= DENSE_MANY_ROWS and n_cols_pools <= 2 * REGISTER_ROW_POOLS:
         return False
-    return sample_rank(n_cols_pools, min(n_cols_pools, SAMPLE_POOLS), k) >= MIN_SAMPLE_RANK
+    return sample_rank(n_cols_pools, min(n_cols_pools, sample_pools(n_cols_pools, k)), k) >= MIN_SAMPLE_RANK
 
 
-def sample_stride(n_cols_pools: int, sample_pools: int = SAMPLE_POOLS, chunk_pools: int = SAMPLE_CHUNK_POOLS) -> int:
-    """Pools from one sampled chunk to the next in the dense top-k's sample of a row of
-    n_cols_pools scores (``triton_lang.topk_sample``): the row split evenly among
-    sample_pools // chunk_pools chunks, rounded down to whole chunks, at least one chunk
-    (the sample is then the row's first columns, or all of them)."""
-    return max(n_cols_pools // (sample_pools // chunk_pools) // chunk_pools * chunk_pools, chunk_pools)
+def sample_pools(n_cols_pools: int, k: int) -> int:
+    """The scores the dense top-k samples of each row of n_cols_pools for its guess: the
+    least power of two from SAMPLE_MIN_POOLS that ranks the guess SAMPLE_RANK_AIM deep
+    (or holds the whole row), at most SAMPLE_POOLS. The sample launch is one program per
+    row, bound by its block-wide counts over the sample, so a smaller sample is a faster
+    launch: at 128k pools, 16,384 scores for k = 512 and 4,096 for k = 2048. At rank 128
+    the count a guess lets through is off from its aim by about 9 %."""
+    m = SAMPLE_MIN_POOLS
+    while m < SAMPLE_POOLS and m < n_cols_pools and sample_rank(n_cols_pools, m, k) < SAMPLE_RANK_AIM:
+        m *= 2
+    return m
+
+
+def sample_chunk_pools(sample: int) -> int:
+    """Consecutive columns per run of a sample of `sample` scores (SAMPLE_CHUNKS runs):
+    32 to 256, whole 128-byte lines."""
+    return sample // SAMPLE_CHUNKS
+
+
+def sample_stride(n_cols_pools: int, sample: int) -> int:
+    """Pools from one sampled run to the next in the dense top-k's sample of `sample`
+    scores of a row of n_cols_pools (``triton_lang.topk_sample``): the row split evenly
+    among SAMPLE_CHUNKS runs, rounded down to whole runs, at least one run (the sample
+    is then the row's first columns, or all of them)."""
+    chunk = sample_chunk_pools(sample)
+    return max(n_cols_pools // SAMPLE_CHUNKS // chunk * chunk, chunk)
 
 
 def sample_rank(n_cols_pools: int, sampled_pools: int, k: int, target: int = SAMPLE_TARGET_PER_K) -> int:

@@ -2,8 +2,9 @@
 
 ``dense_topk`` selects the k best of a few long rows of bare scores in three launches
 (sample, collect, select). This is the first: one program per row reads a sample of
-the row and writes a guess, a key that about TARGET * k of the row's scores reach (TARGET, SAMPLE and
-CHUNK: ``workspace.SAMPLE_TARGET_PER_K``, ``SAMPLE_POOLS``, ``SAMPLE_CHUNK_POOLS``):
+the row and writes a guess, a key that about TARGET * k of the row's scores reach (TARGET:
+``workspace.SAMPLE_TARGET_PER_K``; SAMPLE: ``workspace.sample_pools``, CHUNK:
+``workspace.sample_chunk_pools``):
 
   * the sample: CHUNK consecutive columns at every ``workspace.sample_stride`` columns,
     SAMPLE columns in all (the whole row when it has at most SAMPLE; the first ones
@@ -66,4 +67,7 @@ def sample_kernel(n_cols, logits_ptr, lengths_ptr, guess_ptr, count_ptr,
     tl.store(count_ptr + row, 0)
 
 
-WARPS = 16           # warps per program
+def warps(sample: int) -> int:
+    """Warps per program: 32 sampled scores per thread, 4 to 16 warps (16 at 16,384:
+    docs/benchmarks.md)."""
+    return max(4, min(16, sample // 1024))
