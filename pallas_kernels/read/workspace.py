@@ -90,10 +90,10 @@ def dense_topk_takes(rows: int, n_cols_pools: int, k: int) -> bool:
 def sample_pools(n_cols_pools: int, k: int) -> int:
     """The scores the dense top-k samples of each row of n_cols_pools for its guess: the
     least power of two from SAMPLE_MIN_POOLS that ranks the guess SAMPLE_RANK_AIM deep
-    (or holds the whole row), at most SAMPLE_POOLS. The sample launch is one program per
-    row, bound by its block-wide counts over the sample, so a smaller sample is a faster
-    launch: at 128k pools, 16,384 scores for k = 512 and 4,096 for k = 2048. At rank 128
-    the count a guess lets through is off from its aim by about 9 %."""
+    (or holds the whole row), at most SAMPLE_POOLS: at 128k pools, 16,384 scores for
+    k = 512 and 4,096 for k = 2048. The sample launch's work (one program per row, 16
+    block-wide counts over its sample) scales with the sample. At rank 128 the count a
+    guess lets through is off from its aim by about 9 %."""
     m = SAMPLE_MIN_POOLS
     while m < SAMPLE_POOLS and m < n_cols_pools and sample_rank(n_cols_pools, m, k) < SAMPLE_RANK_AIM:
         m *= 2

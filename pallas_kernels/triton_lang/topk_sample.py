@@ -68,6 +68,6 @@ def sample_kernel(n_cols, logits_ptr, lengths_ptr, guess_ptr, count_ptr,
 
 
 def warps(sample: int) -> int:
-    """Warps per program: 32 sampled scores per thread, 4 to 16 warps (16 at 16,384:
-    docs/benchmarks.md)."""
+    """Warps per program: one per 1,024 sampled scores (32 a thread), at least 4 and at
+    most 16; 16 at 16,384 measured faster than 8 or 4 (docs/benchmarks.md)."""
     return max(4, min(16, sample // 1024))
