@@ -92,8 +92,9 @@ def sample_pools(n_cols_pools: int, k: int) -> int:
     least power of two from SAMPLE_MIN_POOLS that ranks the guess SAMPLE_RANK_AIM deep
     (or holds the whole row), at most SAMPLE_POOLS: at 128k pools, 16,384 scores for
     k = 512 and 4,096 for k = 2048. The sample launch's work (one program per row, 16
-    block-wide counts over its sample) scales with the sample. At rank 128 the count a
-    guess lets through is off from its aim by about 9 %."""
+    block-wide counts over its sample) scales with the sample (docs/benchmarks.md, "The
+    sample's size"). At rank 128 the count a guess lets through is off from its aim by
+    about 9 %."""
     m = SAMPLE_MIN_POOLS
     while m < SAMPLE_POOLS and m < n_cols_pools and sample_rank(n_cols_pools, m, k) < SAMPLE_RANK_AIM:
         m *= 2
