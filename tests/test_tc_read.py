@@ -161,7 +161,7 @@ def sample_guess(x, length, k):
 
 
 @pytest.mark.parametrize("n, k", [(131072, 512), (131072, 2048), (32768, 512), (32768, 2048), (16384, 512),
-                                  (16500, 512), (262144, 512), (1 << 20, 2048), (9000, 2048)])
+                                  (16500, 512), (262144, 512), (262144, 2048), (1 << 20, 2048), (9000, 2048)])
 def test_dense_topk_guess_lets_about_2k_scores_through(rng, n, k):
     """The sampled guess of topk_pools' sampled form lets through at least k and at
     most the 4 KP candidates the select launch holds (about 2 k) of a row of random
@@ -648,15 +648,17 @@ def dense_rows(rng, rows, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [64, 512, 2048])
-def test_tc_dense_topk_launches_follow_their_contracts(rng, k):
+@pytest.mark.parametrize("k, n", [(64, 131072 + 77), (512, 131072 + 77), (2048, 131072 + 77), (2048, 262144 + 77),
+                                  (512, 16384)])
+def test_tc_dense_topk_launches_follow_their_contracts(rng, k, n):
     """Launch by launch, over adversarial rows (plateaus, ties, NaN, +-inf, sorted,
     sparse, rows shorter than k, empty, past their length): the sample writes the
     numpy guess and zero counters; the collect finds exactly the scores below the
     length that reach the guess, each once, with their keys; the select gives the
-    reference's ids, from the candidates or (overflow, too few) the whole row."""
+    reference's ids, from the candidates or (overflow, too few) the whole row. Samples
+    of 16,384, 4,096, 8,192 and 2,048 scores (``workspace.sample_pools``)."""
     _require_triton()
-    rows, n = 20, 131072 + 77
+    rows = 20
     x, lengths = dense_rows(rng, rows, n, k)
     guess, count0, key, ids, count, out = _dense_launches(x, lengths, k)
     width = workspace.dense_candidates(k)

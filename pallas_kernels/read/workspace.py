@@ -103,7 +103,7 @@ def sample_pools(n_cols_pools: int, k: int) -> int:
 
 def sample_chunk_pools(sample: int) -> int:
     """Consecutive columns per run of a sample of `sample` scores (SAMPLE_CHUNKS runs):
-    32 to 256, whole 128-byte lines."""
+    32 to 256, multiples of 128 bytes."""
     return sample // SAMPLE_CHUNKS
 
 
