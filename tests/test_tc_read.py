@@ -148,9 +148,9 @@ def sample_guess(x, length, k):
     """The dense top-k's guess for a row of scores (topk_sample, in numpy): the top 16
     bits of the sample's t-th best key (0 for an empty row)."""
     n = int(np.clip(length, 0, x.shape[0]))
-    sample = workspace.sample_pools(x.shape[0], k)                # sized by the row's columns
-    stride, chunk = workspace.sample_stride(n, sample), workspace.sample_chunk_pools(sample)
-    i = np.arange(sample)
+    sampled_pools = workspace.sample_pools(x.shape[0], k)         # sized by the row's columns
+    stride, chunk = workspace.sample_stride(n, sampled_pools), workspace.sample_chunk_pools(sampled_pools)
+    i = np.arange(sampled_pools)
     col = (i // chunk) * stride + i % chunk
     col = col[col < n]
     t = workspace.sample_rank(n, col.size, k)

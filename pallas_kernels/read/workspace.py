@@ -101,19 +101,19 @@ def sample_pools(n_cols_pools: int, k: int) -> int:
     return m
 
 
-def sample_chunk_pools(sample: int) -> int:
-    """Consecutive columns per run of a sample of `sample` scores (SAMPLE_CHUNKS runs):
-    32 to 256, multiples of 128 bytes."""
-    return sample // SAMPLE_CHUNKS
+def sample_chunk_pools(sampled_pools: int) -> int:
+    """Consecutive columns per run of a sample of sampled_pools scores (SAMPLE_CHUNKS
+    runs): 32 to 256, multiples of 128 bytes."""
+    return sampled_pools // SAMPLE_CHUNKS
 
 
-def sample_stride(n_cols_pools: int, sample: int) -> int:
-    """Pools from one sampled run to the next in the dense top-k's sample of `sample`
-    scores of a row of n_cols_pools (``triton_lang.topk_sample``): the row split evenly
-    among SAMPLE_CHUNKS runs, rounded down to whole runs, at least one run (the sample
-    is then the row's first columns, or all of them)."""
-    chunk = sample_chunk_pools(sample)
-    return max(n_cols_pools // SAMPLE_CHUNKS // chunk * chunk, chunk)
+def sample_stride(n_cols_pools: int, sampled_pools: int) -> int:
+    """Pools from one sampled run to the next in the dense top-k's sample of
+    sampled_pools scores of a row of n_cols_pools (``triton_lang.topk_sample``): the row
+    split evenly among SAMPLE_CHUNKS runs, rounded down to whole runs, at least one run
+    (the sample is then the row's first columns, or all of them)."""
+    chunk_pools = sample_chunk_pools(sampled_pools)
+    return max(n_cols_pools // SAMPLE_CHUNKS // chunk_pools * chunk_pools, chunk_pools)
 
 
 def sample_rank(n_cols_pools: int, sampled_pools: int, k: int, target: int = SAMPLE_TARGET_PER_K) -> int:

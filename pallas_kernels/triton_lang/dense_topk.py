@@ -34,13 +34,13 @@ FALLBACK = WHOLE_ROW     # the whole-row walk of a row whose candidates cannot h
 def sample_guesses(logits, lengths, k: int):
     """The sample launch: (guess [rows] u32, count [rows] i32 zeros)."""
     rows, n = logits.shape
-    sample = workspace.sample_pools(n, k)
+    sampled_pools = workspace.sample_pools(n, k)
     return _call.run_read(
         topk_sample.sample_kernel, (n,), (logits, lengths),
         (jax.ShapeDtypeStruct((rows,), jnp.uint32), jax.ShapeDtypeStruct((rows,), jnp.int32)),
-        grid=(rows,), num_warps=topk_sample.warps(sample), num_stages=1, name="kpool_topk_sample",
-        constexprs=dict(K=k, TARGET=workspace.SAMPLE_TARGET_PER_K, SAMPLE=sample,
-                        CHUNK=workspace.sample_chunk_pools(sample)))
+        grid=(rows,), num_warps=topk_sample.warps(sampled_pools), num_stages=1, name="kpool_topk_sample",
+        constexprs=dict(K=k, TARGET=workspace.SAMPLE_TARGET_PER_K, SAMPLE=sampled_pools,
+                        CHUNK=workspace.sample_chunk_pools(sampled_pools)))
 
 
 def collect_candidates(logits, lengths, guess, count, k: int):

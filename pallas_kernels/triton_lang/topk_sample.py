@@ -67,7 +67,7 @@ def sample_kernel(n_cols, logits_ptr, lengths_ptr, guess_ptr, count_ptr,
     tl.store(count_ptr + row, 0)
 
 
-def warps(sample: int) -> int:
+def warps(sampled_pools: int) -> int:
     """Warps per program: one per 1,024 sampled scores (32 a thread), at least 4 and at
     most 16; 16 at 16,384 measured faster than 8 or 4 (docs/benchmarks.md)."""
-    return max(4, min(16, sample // 1024))
+    return max(4, min(16, sampled_pools // 1024))
