@@ -13,6 +13,9 @@
     length, longer ones through the maxima's floor): the whole select_tokens per
     shape, and on the longest chunk of each prefill the logits kernel with and
     without its group maxima and the row top-k alone (ids checked equal).
+  * with --logits-pages P ..., the prefill logits kernel's page-table columns per
+    program: the whole select_tokens per value (ids checked equal) and the logits
+    kernel on the first and last chunk, all timed interleaved, three rounds.
 
 With --profile it prints no table: the row top-k of each prefill's first chunk and
 of its last chunk's worth of rows runs once inside the CUDA profiler's window, for Nsight Compute (gpu.sh's ncu
@@ -184,6 +187,55 @@ def bench_shapes(cfg, tokens, mm):
     return out
 
 
+def bench_logits_pages(cfg, tokens, mm, pages):
+    """The prefill logits' page-table columns per program (``prefill_logits.PREFILL.pages``)
+    per entry of `pages`: the whole select_tokens of a prefill of `tokens` (ids equal
+    across entries) and the logits kernel with its maxima, as select_tokens runs it, on
+    the first and the last chunk's worth of rows. Entries are timed interleaved."""
+    import dataclasses
+
+    from pallas_kernels.triton_lang import prefill_logits as tcl
+    layout, cache, table, key, heads = read_case(cfg, 1, tokens)
+    s = layout.strides(0)
+    q8, w = queries(key, 1, tokens, heads)
+    pos = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    flops = 2.0 * 32 * 128 * float(np.sum((np.arange(tokens) + 1) // cfg.kpool))
+    default = tcl.PREFILL
+    tunes = [dataclasses.replace(default, pages=p) for p in pages]
+    calls, first = [], None
+    try:
+        for tune in tunes:
+            tcl.PREFILL = tune                     # read when select_tokens is traced
+            f = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
+                                                                  implementation="triton"))
+            got = np.asarray(f(cache, q8, w, table, pos))
+            if first is not None and not np.array_equal(got, first):
+                raise AssertionError(f"select_tokens with {tune.pages} logits pages per program differs")
+            first = got if first is None else first
+            calls.append((f"select_tokens, logits pages {tune.pages}", f, (cache, q8, w, table, pos), flops))
+    finally:
+        tcl.PREFILL = default
+    for last in (False, True):
+        rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last)
+        for tune in tunes:
+            f = jax.jit(lambda c, q_, w_, cx, t=tune: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True,
+                                                                        tune=t))
+            calls.append((f"{'last' if last else 'first'} {rows} rows: logits + maxima, pages {tune.pages}", f,
+                          (cache, q, ww, ctx), None))
+    times = {name: [] for name, _, _, _ in calls}
+    for _ in range(3):
+        for name, f, args, _ in calls:
+            times[name].append(wall(f, *args))
+    out = []
+    for name, _, _, fl in calls:
+        t = float(np.median(times[name]))
+        row = dict(kind="logits-pages", case=f"1 x {tokens // 1024}k", impl=name, ms=t * 1e3)
+        if fl is not None:
+            row.update(tflops=fl / t / 1e12, x_matmul=fl / t / mm)
+        out.append(row)
+    return out
+
+
 def chunk_rows(cfg, layout, table, q8, w, last: bool):
     """A chunk's worth of a prefill's query rows on the Triton path
     (``workspace.rows_per_chunk``): its first chunk, or with `last` as many rows from
@@ -253,6 +305,9 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="no table: the row top-k of each prefill's first and last chunk inside the CUDA "
                          "profiler's window, for ncu --profile-from-start off (GPU)")
+    ap.add_argument("--logits-pages", type=int, nargs="+", metavar="PAGES",
+                    help="the prefill logits' page-table columns per program to compare (GPU; the first is the "
+                         "baseline, e.g. 64 128 256)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.profile:
@@ -280,6 +335,9 @@ def main(argv=None):
     if a.shapes and not a.quick:
         for tokens in prefills:
             out += bench_shapes(cfg, tokens, mm)
+    if a.logits_pages and not a.quick:
+        for tokens in prefills:
+            out += bench_logits_pages(cfg, tokens, mm, a.logits_pages)
     if not a.skip_topk:
         for k in (512, 2048):
             out += bench_topk(4 if a.quick else 64, 8192 if a.quick else 131072, k, impls,

@@ -802,10 +802,11 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
             bb, cn = cx.shape
             tune = tc_topk.DEFAULT
             if not tc_topk.needs_maxima(n_cols, tune):         # every row fits the register form
-                lg = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False)
+                lg = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, tune=tc_logits.PREFILL)
                 ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, tune=tune)
             else:
-                lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True)
+                lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True,
+                                                tune=tc_logits.PREFILL)
                 ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, mx.reshape(bb * cn, -1),
                                          tune=tune)
             return ids.reshape(bb, cn, k)

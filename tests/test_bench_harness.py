@@ -407,3 +407,49 @@ def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsy
         got_rows, q, ww, ctx = bp.chunk_rows(cfg, layout, table, q8, w, last)
         assert got_rows == rows and q.shape[1] == ww.shape[1] == rows
         np.testing.assert_array_equal(np.asarray(ctx[0]), (np.arange(lo, lo + rows) + 1) // cfg.kpool)
+
+
+def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypatch):
+    """bench_prefill.py --logits-pages: select_tokens' prefill chunks launch the logits
+    kernel with ``prefill_logits.PREFILL`` as it stands when select_tokens is traced, so
+    every value compared reaches the kernel, through select_tokens and through the first
+    and last chunk's own calls; the module's value is restored after; each entry gives
+    one row of the table. The Triton modules are stand-ins here (zero logits of the
+    kernel's shapes, the reference's top-k), so the CPU runs ops' Triton frame."""
+    import dataclasses
+    import types
+
+    import bench_prefill as bp
+    from glm5_jax import ops
+    from glm5_jax import reference as ref
+    from glm5_jax.config import IndexerConfig
+    from pallas_kernels.read import workspace
+
+    @dataclasses.dataclass(frozen=True)
+    class Tuning:
+        pages: int = 64
+
+    seen = []
+
+    def paged_logits(c, s, q, w, table, ctx, fill, maxima=False, tune=None):
+        seen.append(tune.pages)
+        n = table.shape[1] * s.page_rows
+        lg = jnp.zeros(ctx.shape + (n,), jnp.float32)
+        return (lg, jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32)) if maxima else lg
+
+    logits = types.SimpleNamespace(PREFILL=Tuning(), paged_logits=paged_logits)
+    rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: True,
+                                 topk_pools=lambda a, l, k, m=None, tune=None: ref.topk_pools(a, l, k))
+    stand_in_triton_modules(monkeypatch, prefill_logits=logits, topk_rows=rows, split_topk=types.SimpleNamespace())
+    monkeypatch.setattr(ops._triton, "require", lambda op: None)
+    monkeypatch.setattr(ops._expand, "expand_pools", lambda ids, seq, r, interpret=None: ref.expand_pools(ids, seq, r))
+    monkeypatch.setattr(bp, "wall", lambda f, *a, trials=3: float(jax.block_until_ready(f(*a)) is not None) * 1e-3)
+    out = bp.bench_logits_pages(IndexerConfig(), 256, 1e12, [64, 128])
+    assert seen == [64, 128, 64, 128, 64, 128]          # select_tokens (one chunk), first chunk, last chunk
+    assert logits.PREFILL == Tuning()
+    assert [r["impl"] for r in out] == [
+        "select_tokens, logits pages 64", "select_tokens, logits pages 128",
+        "first 256 rows: logits + maxima, pages 64", "first 256 rows: logits + maxima, pages 128",
+        "last 256 rows: logits + maxima, pages 64", "last 256 rows: logits + maxima, pages 128"]
+    assert all(r["kind"] == "logits-pages" and r["ms"] > 0 for r in out)
+    assert all(("x_matmul" in r) == r["impl"].startswith("select_tokens") for r in out)

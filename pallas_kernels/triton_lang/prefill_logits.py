@@ -73,6 +73,8 @@ class Tuning:
             raise ValueError(f"bad prefill logits tuning {self}")
 
 
+# prefill rows (select_tokens' chunks; read when select_tokens is traced)
+PREFILL = Tuning()
 # decode rows (the split top-k's logits): more, shorter programs (docs/benchmarks.md)
 DECODE = Tuning(pages=16, min_programs=workspace.LOGITS_MIN_PROGRAMS)
 
