@@ -141,6 +141,27 @@ def shapes():
             ("registers 8192", T(reg_pools=8192)))
 
 
+def select_tokens_per_setting(module, name, settings, layout, args):
+    """[(label, f)]: select_tokens on the Triton path, jitted and traced once per
+    (label, value) of `settings` with ``module.<name>`` set to the value (the attribute
+    is read when select_tokens is traced; restored after); their ids checked equal.
+    args: (cache, q8, w, table, positions)."""
+    default, first, fns = getattr(module, name), None, []
+    try:
+        for label, value in settings:
+            setattr(module, name, value)
+            f = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
+                                                                  implementation="triton"))
+            got = np.asarray(f(*args))
+            if first is not None and not np.array_equal(got, first):
+                raise AssertionError(f"select_tokens with {label} differs")
+            first = got if first is None else first
+            fns.append((label, f))
+    finally:
+        setattr(module, name, default)
+    return fns
+
+
 def bench_shapes(cfg, tokens, mm):
     """The Triton path per ``shapes()`` entry: the whole select_tokens of a prefill of
     `tokens` with that row top-k shape (ids equal across shapes), and on the longest
@@ -155,21 +176,11 @@ def bench_shapes(cfg, tokens, mm):
     out = []
     pos = jnp.arange(tokens, dtype=jnp.int32)[None, :]
     flops = 2.0 * 32 * 128 * float(np.sum((np.arange(tokens) + 1) // cfg.kpool))
-    default, first = tct.DEFAULT, None
-    try:
-        for label, tune in shapes():
-            tct.DEFAULT = tune                     # read when select_tokens is traced
-            f = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
-                                                                  implementation="triton"))
-            got = np.asarray(f(cache, q8, w, table, pos))
-            if first is not None and not np.array_equal(got, first):
-                raise AssertionError(f"select_tokens with the row top-k {label} differs")
-            first = got if first is None else first
-            t = wall(f, cache, q8, w, table, pos)
-            out.append(dict(kind="shapes", case=f"1 x {tokens // 1024}k", impl=f"select_tokens, {label}", ms=t * 1e3,
-                            tflops=flops / t / 1e12, x_matmul=flops / t / mm))
-    finally:
-        tct.DEFAULT = default
+    args = (cache, q8, w, table, pos)
+    for label, f in select_tokens_per_setting(tct, "DEFAULT", shapes(), layout, args):
+        t = wall(f, *args)
+        out.append(dict(kind="shapes", case=f"1 x {tokens // 1024}k", impl=f"select_tokens, {label}", ms=t * 1e3,
+                        tflops=flops / t / 1e12, x_matmul=flops / t / mm))
     rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last=True)
     case = f"{tokens // 1024}k, {rows} rows"
     for name, mx in (("logits + maxima", True), ("logits", False)):
@@ -200,21 +211,10 @@ def bench_logits_pages(cfg, tokens, mm, pages):
     q8, w = queries(key, 1, tokens, heads)
     pos = jnp.arange(tokens, dtype=jnp.int32)[None, :]
     flops = 2.0 * 32 * 128 * float(np.sum((np.arange(tokens) + 1) // cfg.kpool))
-    default = tcl.PREFILL
-    tunes = [dataclasses.replace(default, pages=p) for p in pages]
-    calls, first = [], None
-    try:
-        for tune in tunes:
-            tcl.PREFILL = tune                     # read when select_tokens is traced
-            f = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
-                                                                  implementation="triton"))
-            got = np.asarray(f(cache, q8, w, table, pos))
-            if first is not None and not np.array_equal(got, first):
-                raise AssertionError(f"select_tokens with {tune.pages} logits pages per program differs")
-            first = got if first is None else first
-            calls.append((f"select_tokens, logits pages {tune.pages}", f, (cache, q8, w, table, pos), flops))
-    finally:
-        tcl.PREFILL = default
+    tunes = [dataclasses.replace(tcl.PREFILL, pages=p) for p in pages]
+    args = (cache, q8, w, table, pos)
+    calls = [(f"select_tokens, {label}", f, args, flops) for label, f in select_tokens_per_setting(
+        tcl, "PREFILL", [(f"logits pages {t.pages}", t) for t in tunes], layout, args)]
     for last in (False, True):
         rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last)
         for tune in tunes:
