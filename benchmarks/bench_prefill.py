@@ -28,6 +28,7 @@ CPU smoke run (tiny sizes, no Triton): --quick.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -100,7 +101,7 @@ def triton_logits_only(s, q8, table, k):
 
     def f(cache, q, ww, cx):
         def rows(q_, w_, c_):
-            return tc.paged_logits(cache, s, q_, w_, table, c_, fill=False)[..., :1]
+            return tc.paged_logits(cache, s, q_, w_, table, c_, fill=False, tune=tc.PREFILL)[..., :1]
         return ref.map_query_rows(rows, chunk, q, ww, cx)
     return jax.jit(f)
 
@@ -142,20 +143,21 @@ def shapes():
 
 
 def select_tokens_per_setting(module, name, settings, layout, args):
-    """[(label, f)]: select_tokens on the Triton path, jitted and traced once per
-    (label, value) of `settings` with ``module.<name>`` set to the value (the attribute
-    is read when select_tokens is traced; restored after); their ids checked equal.
-    args: (cache, q8, w, table, positions)."""
+    """[(label, f)]: select_tokens on the Triton path, compiled once per (label, value)
+    of `settings` with ``module.<name>`` set to the value (the attribute is read when
+    select_tokens is traced; restored after), so f keeps the value it was compiled
+    with; their ids checked equal to the first entry's. args: (cache, q8, w, table,
+    positions)."""
     default, first, fns = getattr(module, name), None, []
     try:
         for label, value in settings:
             setattr(module, name, value)
             f = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
-                                                                  implementation="triton"))
+                                                                  implementation="triton")).lower(*args).compile()
             got = np.asarray(f(*args))
-            if first is not None and not np.array_equal(got, first):
-                raise AssertionError(f"select_tokens with {label} differs")
-            first = got if first is None else first
+            if first is not None and not np.array_equal(got, first[1]):
+                raise AssertionError(f"select_tokens with {name} = {label} differs from {first[0]}")
+            first = (label, got) if first is None else first
             fns.append((label, f))
     finally:
         setattr(module, name, default)
@@ -184,7 +186,8 @@ def bench_shapes(cfg, tokens, mm):
     rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last=True)
     case = f"{tokens // 1024}k, {rows} rows"
     for name, mx in (("logits + maxima", True), ("logits", False)):
-        f = jax.jit(lambda c, q_, w_, cx, mx=mx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=mx))
+        f = jax.jit(lambda c, q_, w_, cx, mx=mx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=mx,
+                                                                   tune=tcl.PREFILL))
         out.append(dict(kind="shapes", case=case, impl=name, ms=wall(f, cache, q, ww, ctx, trials=5) * 1e3))
     lg, mx, lens = chunk_scores(layout, cache, table, q, ww, ctx)
     want = None
@@ -201,11 +204,11 @@ def bench_shapes(cfg, tokens, mm):
 def bench_logits_pages(cfg, tokens, mm, pages):
     """The prefill logits' page-table columns per program (``prefill_logits.PREFILL.pages``)
     per entry of `pages`: the whole select_tokens of a prefill of `tokens` (ids equal
-    across entries) and the logits kernel with its maxima, as select_tokens runs it, on
-    the first and the last chunk's worth of rows. Entries are timed interleaved."""
-    import dataclasses
-
+    across entries) and the logits kernel as select_tokens runs it (with maxima where
+    the row top-k takes them), on the first and the last chunk's worth of rows. Entries
+    are timed interleaved, three rounds."""
     from pallas_kernels.triton_lang import prefill_logits as tcl
+    from pallas_kernels.triton_lang import topk_rows as tct
     layout, cache, table, key, heads = read_case(cfg, 1, tokens)
     s = layout.strides(0)
     q8, w = queries(key, 1, tokens, heads)
@@ -215,17 +218,19 @@ def bench_logits_pages(cfg, tokens, mm, pages):
     args = (cache, q8, w, table, pos)
     calls = [(f"select_tokens, {label}", f, args, flops) for label, f in select_tokens_per_setting(
         tcl, "PREFILL", [(f"logits pages {t.pages}", t) for t in tunes], layout, args)]
+    maxima = tct.needs_maxima(addr.pools_in_pages(s, table.shape[1]), tct.DEFAULT)   # as select_tokens runs it
+    what = "logits + maxima" if maxima else "logits"
     for last in (False, True):
         rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last)
         for tune in tunes:
-            f = jax.jit(lambda c, q_, w_, cx, t=tune: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True,
-                                                                        tune=t))
-            calls.append((f"{'last' if last else 'first'} {rows} rows: logits + maxima, pages {tune.pages}", f,
+            f = jax.jit(lambda c, q_, w_, cx, t=tune: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False,
+                                                                        maxima=maxima, tune=t))
+            calls.append((f"{'last' if last else 'first'} {rows} rows: {what}, pages {tune.pages}", f,
                           (cache, q, ww, ctx), None))
     times = {name: [] for name, _, _, _ in calls}
     for _ in range(3):
-        for name, f, args, _ in calls:
-            times[name].append(wall(f, *args))
+        for name, f, call_args, _ in calls:
+            times[name].append(wall(f, *call_args))
     out = []
     for name, _, _, fl in calls:
         t = float(np.median(times[name]))
@@ -255,8 +260,8 @@ def chunk_scores(layout, cache, table, q, w, ctx_pools):
     row top-k."""
     from pallas_kernels.triton_lang import prefill_logits as tcl
     s = layout.strides(0)
-    lg, mx = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True))(
-        cache, q, w, ctx_pools)
+    lg, mx = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True,
+                                                            tune=tcl.PREFILL))(cache, q, w, ctx_pools)
     rows = ctx_pools.shape[1]
     return lg.reshape(rows, -1), mx.reshape(rows, -1), ctx_pools.reshape(-1)
 
@@ -306,10 +311,13 @@ def main(argv=None):
                     help="no table: the row top-k of each prefill's first and last chunk inside the CUDA "
                          "profiler's window, for ncu --profile-from-start off (GPU)")
     ap.add_argument("--logits-pages", type=int, nargs="+", metavar="PAGES",
-                    help="the prefill logits' page-table columns per program to compare (GPU; the first is the "
-                         "baseline, e.g. 64 128 256)")
+                    help="the prefill logits' page-table columns per program to compare, powers of two "
+                         "from 2 (GPU; e.g. 64 128 256)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.logits_pages and (len(set(a.logits_pages)) != len(a.logits_pages)
+                           or any(p < 2 or p & (p - 1) for p in a.logits_pages)):
+        ap.error(f"--logits-pages: distinct powers of two from 2, got {a.logits_pages}")
     if a.profile:
         return profile(IndexerConfig(), a.prefills)
     impls = a.impls.split(",")
@@ -342,12 +350,12 @@ def main(argv=None):
         for k in (512, 2048):
             out += bench_topk(4 if a.quick else 64, 8192 if a.quick else 131072, k, impls,
                               2 if a.quick else 10, 2 if a.quick else 5)
-    print(f"\n{'case':18s} {'implementation':32s} {'time':>12s} {'TFLOP/s':>8s} {'x matmul':>8s} "
+    print(f"\n{'case':18s} {'implementation':48s} {'time':>12s} {'TFLOP/s':>8s} {'x matmul':>8s} "
           f"{'vs xla':>7s} {'vs pallas':>9s} {'x read':>7s}")
     for r in out:
         t = f"{r['ms']:.2f} ms" if "ms" in r else f"{r['us']:.1f} us"
         fmt = lambda v, f: (f % v) if v is not None else ""      # noqa: E731
-        print(f"{r['case']:18s} {r['impl']:32s} {t:>12s} {fmt(r.get('tflops'), '%.0f'):>8s} "
+        print(f"{r['case']:18s} {r['impl']:48s} {t:>12s} {fmt(r.get('tflops'), '%.0f'):>8s} "
               f"{fmt(r.get('x_matmul'), '%.3f'):>8s} {fmt(r.get('vs_xla'), '%.1f'):>7s} "
               f"{fmt(r.get('vs_pallas'), '%.2f'):>9s} {fmt(r.get('x_read'), '%.2f'):>7s}")
     if a.json:

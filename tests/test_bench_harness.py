@@ -6,6 +6,7 @@ import sys
 import pathlib
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -384,13 +385,13 @@ def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsy
     from pallas_kernels.read import workspace
     seen = []
 
-    def paged_logits(c, s, q, w, table, ctx, fill, maxima):
+    def paged_logits(c, s, q, w, table, ctx, fill, maxima, tune):
         n = table.shape[1] * s.page_rows
         seen.append(q.shape[1])
         return (jnp.zeros(ctx.shape + (n,), jnp.float32),
                 jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32))
 
-    stand_in_triton_modules(monkeypatch, prefill_logits=types.SimpleNamespace(paged_logits=paged_logits),
+    stand_in_triton_modules(monkeypatch, prefill_logits=types.SimpleNamespace(paged_logits=paged_logits, PREFILL=None),
                             topk_rows=types.SimpleNamespace(topk_pools=lambda a, l, k, m: ref.topk_pools(a, l, k)))
     bp.main(["--profile", "--prefills", "4096"])
     out = capsys.readouterr().out
@@ -409,13 +410,16 @@ def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsy
         np.testing.assert_array_equal(np.asarray(ctx[0]), (np.arange(lo, lo + rows) + 1) // cfg.kpool)
 
 
-def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypatch):
+@pytest.mark.parametrize("maxima", [True, False])
+def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypatch, maxima):
     """bench_prefill.py --logits-pages: select_tokens' prefill chunks launch the logits
     kernel with ``prefill_logits.PREFILL`` as it stands when select_tokens is traced, so
-    every value compared reaches the kernel, through select_tokens and through the first
-    and last chunk's own calls; the module's value is restored after; each entry gives
-    one row of the table. The Triton modules are stand-ins here (zero logits of the
-    kernel's shapes, the reference's top-k), so the CPU runs ops' Triton frame."""
+    every value compared reaches the kernel, through select_tokens (with and without the
+    maxima the row top-k may take) and through the first and last chunk's own calls;
+    the module's value is restored after, also when the ids of two values differ, which
+    stops the comparison; each entry gives one row of the table. The Triton modules are
+    stand-ins here (logits of the kernel's shapes, the reference's top-k), so the CPU
+    runs ops' Triton frame."""
     import dataclasses
     import types
 
@@ -429,27 +433,38 @@ def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypat
     class Tuning:
         pages: int = 64
 
-    seen = []
+    seen, differ = [], []
 
     def paged_logits(c, s, q, w, table, ctx, fill, maxima=False, tune=None):
-        seen.append(tune.pages)
+        seen.append((tune.pages, maxima))
         n = table.shape[1] * s.page_rows
-        lg = jnp.zeros(ctx.shape + (n,), jnp.float32)
+        cols = jnp.arange(n, dtype=jnp.float32)
+        lg = jnp.broadcast_to(-cols if tune.pages in differ else cols, ctx.shape + (n,))
         return (lg, jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32)) if maxima else lg
 
     logits = types.SimpleNamespace(PREFILL=Tuning(), paged_logits=paged_logits)
-    rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: True,
+    rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: maxima,
                                  topk_pools=lambda a, l, k, m=None, tune=None: ref.topk_pools(a, l, k))
     stand_in_triton_modules(monkeypatch, prefill_logits=logits, topk_rows=rows, split_topk=types.SimpleNamespace())
     monkeypatch.setattr(ops._triton, "require", lambda op: None)
     monkeypatch.setattr(ops._expand, "expand_pools", lambda ids, seq, r, interpret=None: ref.expand_pools(ids, seq, r))
     monkeypatch.setattr(bp, "wall", lambda f, *a, trials=3: float(jax.block_until_ready(f(*a)) is not None) * 1e-3)
     out = bp.bench_logits_pages(IndexerConfig(), 256, 1e12, [64, 128])
-    assert seen == [64, 128, 64, 128, 64, 128]          # select_tokens (one chunk), first chunk, last chunk
+    # select_tokens (one chunk) per value, then the first chunk's and the last chunk's calls
+    assert seen == [(64, maxima), (128, maxima)] * 3
     assert logits.PREFILL == Tuning()
+    what = "logits + maxima" if maxima else "logits"
     assert [r["impl"] for r in out] == [
         "select_tokens, logits pages 64", "select_tokens, logits pages 128",
-        "first 256 rows: logits + maxima, pages 64", "first 256 rows: logits + maxima, pages 128",
-        "last 256 rows: logits + maxima, pages 64", "last 256 rows: logits + maxima, pages 128"]
+        f"first 256 rows: {what}, pages 64", f"first 256 rows: {what}, pages 128",
+        f"last 256 rows: {what}, pages 64", f"last 256 rows: {what}, pages 128"]
     assert all(r["kind"] == "logits-pages" and r["ms"] > 0 for r in out)
     assert all(("x_matmul" in r) == r["impl"].startswith("select_tokens") for r in out)
+    differ.append(128)                                  # other logits, other ids: the comparison stops
+    with pytest.raises(AssertionError, match="PREFILL = logits pages 128 differs from logits pages 64"):
+        bp.bench_logits_pages(IndexerConfig(), 256, 1e12, [64, 128])
+    assert logits.PREFILL == Tuning()
+    with pytest.raises(SystemExit):                     # repeated or not powers of two: refused before any run
+        bp.main(["--logits-pages", "64", "64"])
+    with pytest.raises(SystemExit):
+        bp.main(["--logits-pages", "48"])
