@@ -18,8 +18,8 @@
     kernel on the first and last chunk, all timed interleaved, three rounds.
 
 With --profile it prints no table: the row top-k of each prefill's first chunk and
-of its last chunk's worth of rows runs once inside the CUDA profiler's window, for Nsight Compute (gpu.sh's ncu
-step, case tc-rows).
+of its last chunk's worth of rows runs once inside the CUDA profiler's window, for
+Nsight Compute (gpu.sh's ncu step, case tc-rows).
 
 FLOPs count 2 * 32 heads * 128 * (visible (row, pool) pairs). GPU:
     PYTHONPATH=$PWD python3 benchmarks/bench_prefill.py [--prefills 32768 131072 524288]
@@ -308,7 +308,8 @@ def main(argv=None):
     ap.add_argument("--mosaic", action="store_true",
                     help="also JAX's Mosaic GPU Hopper matmul example on the same 8192^3 product (GPU)")
     ap.add_argument("--profile", action="store_true",
-                    help="no table: the row top-k of each prefill's first and last chunk inside the CUDA "
+                    help="no table: the row top-k of each prefill's first chunk and last chunk's worth of rows "
+                         "inside the CUDA "
                          "profiler's window, for ncu --profile-from-start off (GPU)")
     ap.add_argument("--logits-pages", type=int, nargs="+", metavar="PAGES",
                     help="the prefill logits' page-table columns per program to compare, powers of two "

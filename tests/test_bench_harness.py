@@ -6,8 +6,8 @@ import sys
 import pathlib
 
 import jax
-import pytest
 import jax.numpy as jnp
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -78,7 +78,6 @@ def test_read_harness_perturbs_only_what_it_is_told(monkeypatch):
     br.time_read(f, args, reps=3, trials=1, perturb=(1,))
     jaxpr = str(jax.make_jaxpr(seen["jit"])(*args))
     assert jaxpr.count("f32[128,128] = add") == 0 and jaxpr.count("i32[128] = add") == 2
-    import pytest
     with pytest.raises(ValueError, match="perturb"):
         br.time_read(f, args, reps=2, trials=1, perturb=(0, 2))
 
@@ -221,7 +220,6 @@ def test_profile_modes_run_every_case(capsys):
              "--impls", "pallas"])
     out = capsys.readouterr().out
     assert "profiled, in order: topk_pools pallas [4, 2048] k=64; topk_pools pallas [4, 2048] k=128" in out, out
-    import pytest
     with pytest.raises(SystemExit, match="bad case"):
         tw.profile_case(np.random.default_rng(0), "decode:2")
     call = _timing.threaded(jax.jit(lambda s, d: s + d, donate_argnums=0), jnp.zeros((4,), jnp.int32), jnp.int32(2))
@@ -306,7 +304,6 @@ def test_trace_read_topk_forms_checks_and_prints_every_form(monkeypatch, capsys)
     spans, so the CPU runs the table's logic."""
     import types
 
-    import pytest
     import trace_read as tr
     from glm5_jax import reference as ref
     ids = lambda v, l, k: ref.topk_pools(v, l, k)                              # noqa: E731
@@ -341,7 +338,6 @@ def test_trace_many_splits_one_session_in_call_order(monkeypatch):
     import contextlib
     import glob as glob_mod
 
-    import pytest
     import trace_read as tr
     ran = []
     fns = {name: ((lambda name=name: ran.append(name) or 0), ()) for name in ("a", "b", "c")}

@@ -426,8 +426,9 @@ def read_launches():
 
 
 def sass_loops(sass: str, least: int = 60):
-    """[(first, last, instructions, barriers, shared accesses)] of the backward branches'
-    loops in nvdisasm text (labels .L_x_N), those of more than `least` instructions."""
+    """(instructions, loops) of nvdisasm text: every instruction, and per loop of more
+    than `least` instructions (a backward branch to a label .L_x_N) (first, last,
+    instructions, barriers, shared accesses)."""
     import re
     ins, labels, pending = [], {}, []
     for line in sass.splitlines():
