@@ -17,6 +17,7 @@ page entries the kernel reads), the error off the GPU, the workspace bound of th
 XLA path, the bound E against an f64 golden. GPU tests (marked gpu): the kernels
 compiled, against the f64 golden and the reference.
 """
+import dataclasses
 import re
 
 import jax
@@ -538,21 +539,27 @@ def group_of(col):
     return s * 8 + (r // 16) * 2 + (r % 8) // 4
 
 
-def _tc_topk_with_maxima(x, lengths, k, mx):
+def _tc_topk_with_maxima(x, lengths, k, mx, floor_maxima=None):
     """The row top-k with maxima and no register form: every row of >= k whole groups
-    through the maxima's floor."""
+    through the maxima's floor (from at most floor_maxima maxima in registers, the
+    others by histograms; None: the default)."""
     from pallas_kernels.triton_lang import topk_rows
     tune = topk_rows.Tuning(reg_pools=0)
+    if floor_maxima is not None:
+        tune = dataclasses.replace(tune, floor_maxima=floor_maxima)
     return np.asarray(jax.jit(lambda a, l, m: topk_rows.topk_pools(a, l, k, m, tune=tune))(
         jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(mx)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [64, 512, 2048])
-def test_tc_topk_with_maxima_equals_the_reference(rng, k):
+@pytest.mark.parametrize("floor_maxima", [None, 0, 64])
+def test_tc_topk_with_maxima_equals_the_reference(rng, k, floor_maxima):
     """The top-k through the maxima's floor (rows of >= k whole groups) and its fallbacks
     (plateaus tied at the floor, short rows) give the reference's ids bit for bit; scores
-    past a row's length (here larger than any inside) never count."""
+    past a row's length (here larger than any inside) never count. The floor comes from
+    the maxima in registers (default), from histograms (0), or both (64: at k = 64 the
+    rows of exactly 64 whole groups take the registers, the longer ones histograms)."""
     _require_triton()
     g = workspace.MAXIMA_GROUP_POOLS
     rows, n = 28, g * k * 2 + 13
@@ -573,9 +580,9 @@ def test_tc_topk_with_maxima_equals_the_reference(rng, k):
     x[18, n - 50] = 1.5
     lengths[18] = n
     mx = group_maxima(x)
-    got = _tc_topk_with_maxima(x, lengths, k, mx)
+    got = _tc_topk_with_maxima(x, lengths, k, mx, floor_maxima)
     np.testing.assert_array_equal(got, np_topk(x, lengths, k))
-    np.testing.assert_array_equal(_tc_topk_with_maxima(x, lengths, k, mx), got)            # run to run
+    np.testing.assert_array_equal(_tc_topk_with_maxima(x, lengths, k, mx, floor_maxima), got)   # run to run
 
 
 @pytest.mark.gpu
@@ -811,9 +818,11 @@ def test_tc_split_candidates_are_the_scores_above_the_floor(rng, monkeypatch, po
 
 
 @pytest.mark.gpu
-def test_tc_topk_reads_only_the_groups_above_the_floor(rng):
+@pytest.mark.parametrize("floor_maxima", [None, 0])
+def test_tc_topk_reads_only_the_groups_above_the_floor(rng, floor_maxima):
     """The maxima decide which scores are read: with the best group's maximum understated
-    the best score is never seen (so the test above runs the floor path, not the fallback)."""
+    the best score is never seen (so the test above runs the floor path, not the fallback),
+    whether the floor comes from the maxima in registers or from histograms."""
     _require_triton()
     k, rows = 64, 6
     n = workspace.MAXIMA_GROUP_POOLS * k * 3
@@ -821,9 +830,9 @@ def test_tc_topk_reads_only_the_groups_above_the_floor(rng):
     lengths = np.full(rows, n, np.int32)
     mx = group_maxima(x)
     best = np.argmax(x, axis=1)
-    assert (_tc_topk_with_maxima(x, lengths, k, mx)[:, 0] == best).all()
+    assert (_tc_topk_with_maxima(x, lengths, k, mx, floor_maxima)[:, 0] == best).all()
     mx[np.arange(rows), [group_of(b) for b in best]] = 1
-    got = _tc_topk_with_maxima(x, lengths, k, mx)
+    got = _tc_topk_with_maxima(x, lengths, k, mx, floor_maxima)
     assert all(best[r] not in got[r] for r in range(rows))
 
 

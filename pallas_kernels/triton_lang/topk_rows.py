@@ -25,9 +25,11 @@ hold the walks to its occupancy).
 With group maxima (the largest order key of each group of 8 columns, written by
 the logits kernel) and a row of at least k whole groups, the program
 first finds a floor: a key that at least k of the row's whole-group maxima reach,
-so at least k scores reach it and every one of the k best does. Two histograms of
-the maxima (the binned search below, over the maxima) place the k-th best
-maximum; the floor is the least maximum at or above its sub-bin. The groups whose
+so at least k scores reach it and every one of the k best does. A row of at most
+``Tuning.floor_maxima`` maxima reads them once into registers and takes the k-th
+best maximum itself (``take_th_key``); a row of more places the k-th best maximum
+with two histograms of the maxima (the binned search below, over the maxima) and
+takes the least maximum at or above its sub-bin. The groups whose
 maximum reaches the floor (about k of them) are listed, and only their scores are
 read: those >= the floor go to the candidate buffer in group order (a group's 8
 columns, ``workspace.group_columns``, are two runs of 4). The selection below then
@@ -77,7 +79,8 @@ from .order_tl import append_at_least, order_key, take_th_key, write_sorted
 class Tuning:
     """Launch shape: BLOCK scores per step of a walk, warps per program, NB bins per
     level, SMALL the edge size sorted in the short form, REG the longest row held in
-    registers (0: none). Defaults: the fastest shape for prefill chunks
+    registers (0: none), floor_maxima the most group maxima of a row held in registers
+    for its floor (0: none). Defaults: the fastest shape for prefill chunks
     (docs/benchmarks.md)."""
     block: int = 512
     num_warps: int = 4
@@ -85,11 +88,13 @@ class Tuning:
     small: int = 128
     reverse: bool = True
     reg_pools: int = workspace.REGISTER_ROW_POOLS
+    floor_maxima: int = 4096
 
     def __post_init__(self):
         pow2 = lambda v: isinstance(v, int) and v >= 16 and not v & (v - 1)   # noqa: E731
         if not (pow2(self.block) and self.num_warps in (1, 2, 4, 8, 16) and pow2(self.bins) and pow2(self.small)
-                and (self.reg_pools == 0 or pow2(self.reg_pools))):
+                and (self.reg_pools == 0 or pow2(self.reg_pools))
+                and (self.floor_maxima == 0 or pow2(self.floor_maxima))):
             raise ValueError(f"bad triton top-k tuning {self}")
 
 
@@ -190,7 +195,8 @@ def _maxima_floor(mrow, ng, take, BLOCK: tl.constexpr, NB: tl.constexpr):
 @triton.jit
 def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
              K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr, GROUP: tl.constexpr,
-             STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL: tl.constexpr):
+             STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL: tl.constexpr,
+             FLOOR_TILE: tl.constexpr = 0):
     """The top-k of one row of n valid scores (0 <= n <= n_cols) into out_row[0, K) (the
     module's docstring; ``topk_kernel``'s arguments, ``row`` the row). Also the split
     top-k's fallback (``topk_rank``)."""
@@ -206,7 +212,13 @@ def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_
         ng = tl.minimum(n // STEP * (STEP // GROUP), n_groups)    # the groups of whole steps below n
         if ng >= K:
             mrow = maxima_ptr + row.to(tl.int64) * n_groups
-            floor = _maxima_floor(mrow, ng, K, BLOCK, NB)
+            if FLOOR_TILE == 0:
+                floor = _maxima_floor(mrow, ng, K, BLOCK, NB)
+            elif ng <= FLOOR_TILE:
+                offs = tl.arange(0, FLOOR_TILE)                      # the maxima in registers: the k-th best
+                floor, _ = take_th_key(tl.load(mrow + offs, mask=offs < ng, other=0), ng, K)
+            else:
+                floor = _maxima_floor(mrow, ng, K, BLOCK, NB)
             # the groups whose maximum reaches the floor, in id order
             grow = group_ptr + row.to(tl.int64) * CAP
             n_listed = n * 0
@@ -356,7 +368,7 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, o
                 group_ptr, out_ptr, K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
                 GROUP: tl.constexpr, STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr,
                 NB: tl.constexpr, SMALL: tl.constexpr, REVERSE: tl.constexpr, REG: tl.constexpr,
-                LONG: tl.constexpr):
+                LONG: tl.constexpr, FLOOR_TILE: tl.constexpr):
     # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; maxima: [n_rows, n_groups] u32 (the
     # order key's maximum of the columns workspace.group_columns(g); read only with MAXIMA);
     # out_in: the output of the register launch (aliased to out) or unused;
@@ -371,11 +383,11 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, o
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
     if REG == 0:
         row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
-                 K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
+                 K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL, FLOOR_TILE)
     elif LONG:
         if n > REG:
             row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
-                     K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL)
+                     K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL, FLOOR_TILE)
     else:
         if n <= REG:
             register_topk(logits_ptr + row.to(tl.int64) * n_cols, n, tl.minimum(n, K),
@@ -428,6 +440,7 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
         maxima_in, sel_w, groups = maxima, 2 * kp + cap, rows * cap
     lengths = lengths.astype(jnp.int32)
     reg = min(tune.reg_pools, 1 << (n - 1).bit_length())   # >= n: the register launch takes every row
+    floor_tile = min(tune.floor_maxima, max(16, 1 << (n_groups - 1).bit_length()))   # n_groups >= 1
 
     def launch(out_in, reg_, long_, with_maxima):
         mx_, sel_w_, groups_ = (maxima_in, sel_w, groups) if with_maxima else (jnp.zeros((1,), jnp.uint32), 2 * kp, 1)
@@ -438,7 +451,8 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
              jax.ShapeDtypeStruct((groups_,), jnp.int32), jax.ShapeDtypeStruct((rows, k), jnp.int32)),
             grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
             input_output_aliases={3: 3} if aliased else None,
-            constexprs=dict(consts(k, cap, sel_w_, tune, with_maxima), REVERSE=tune.reverse, REG=reg_, LONG=long_))[3]
+            constexprs=dict(consts(k, cap, sel_w_, tune, with_maxima), REVERSE=tune.reverse, REG=reg_, LONG=long_,
+                            FLOOR_TILE=floor_tile if with_maxima else 0))[3]
 
     if reg == 0:
         return launch(None, 0, False, maxima is not None)
