@@ -10,7 +10,8 @@
   * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once;
   * with --mosaic, JAX's Mosaic GPU Hopper matmul example on the same product (f16);
   * with --shapes, the row top-k's launch shapes (rows held in registers up to a
-    length, longer ones through the maxima's floor): the whole select_tokens per
+    length, longer ones through the maxima's floor, taken from the maxima in registers
+    or placed by histograms): the whole select_tokens per
     shape, and on the longest chunk of each prefill the logits kernel with and
     without its group maxima and the row top-k alone (ids checked equal).
   * with --logits-pages P ..., the prefill logits kernel's page-table columns per
@@ -133,10 +134,14 @@ def bench_prefill(cfg, tokens, impls, mm, quick):
 
 
 def shapes():
-    """The row top-k's launch shapes timed by --shapes: (label, Tuning)."""
+    """The row top-k's launch shapes timed by --shapes: (label, Tuning). "floor from
+    histograms": the maxima's floor placed by two histograms (``floor_maxima=0``), not
+    taken from the maxima held in registers."""
     from pallas_kernels.triton_lang import topk_rows as tct
     T = tct.Tuning
-    return (("floor, no registers", T(reg_pools=0)),
+    return (("no registers, floor from histograms", T(reg_pools=0, floor_maxima=0)),
+            ("no registers", T(reg_pools=0)),
+            ("registers 4096, floor from histograms", T(reg_pools=4096, floor_maxima=0)),
             ("registers 2048", T(reg_pools=2048)),
             ("registers 4096", T(reg_pools=4096)),
             ("registers 8192", T(reg_pools=8192)))
