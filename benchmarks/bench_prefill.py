@@ -9,9 +9,8 @@
     chunks with the top-k left out);
   * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once;
   * with --mosaic, JAX's Mosaic GPU Hopper matmul example on the same product (f16);
-  * with --shapes, the row top-k's launch shapes (rows held in registers up to a
-    length, longer ones through the maxima's floor, taken from the maxima in registers
-    or placed by histograms): the whole select_tokens per
+  * with --shapes, the row top-k's shapes (the maxima's floor taken from the maxima
+    in registers, or placed by histograms): the whole select_tokens per
     shape, and on the longest chunk of each prefill the logits kernel with and
     without its group maxima and the row top-k alone (ids checked equal).
   * with --logits-pages P ..., the prefill logits kernel's page-table columns per
@@ -134,17 +133,13 @@ def bench_prefill(cfg, tokens, impls, mm, quick):
 
 
 def shapes():
-    """The row top-k's launch shapes timed by --shapes: (label, Tuning). "floor from
-    histograms": the maxima's floor placed by two histograms (``floor_maxima=0``), not
-    taken from the maxima held in registers."""
+    """The row top-k's shapes timed by --shapes: (label, Tuning). The register form
+    stays off in both (docs/design.md's known issue: inside select_tokens' chunk loop
+    its rows come out wrong, which the ids check would stop at)."""
     from pallas_kernels.triton_lang import topk_rows as tct
     T = tct.Tuning
-    return (("no registers, floor from histograms", T(reg_pools=0, floor_maxima=0)),
-            ("no registers", T(reg_pools=0)),
-            ("registers 4096, floor from histograms", T(reg_pools=4096, floor_maxima=0)),
-            ("registers 2048", T(reg_pools=2048)),
-            ("registers 4096", T(reg_pools=4096)),
-            ("registers 8192", T(reg_pools=8192)))
+    return (("floor from histograms", T(reg_pools=0, floor_maxima=0)),
+            ("floor from registers (default)", T(reg_pools=0)))
 
 
 def select_tokens_per_setting(module, name, settings, layout, args):
@@ -172,8 +167,8 @@ def select_tokens_per_setting(module, name, settings, layout, args):
 def bench_shapes(cfg, tokens, mm):
     """The Triton path per ``shapes()`` entry: the whole select_tokens of a prefill of
     `tokens` with that row top-k shape (ids equal across shapes), and on the longest
-    chunk the logits kernel with and without maxima and the row top-k alone (rows
-    past the register form through the maxima's floor; ids equal)."""
+    chunk the logits kernel with and without maxima and the row top-k alone (ids
+    equal)."""
     from pallas_kernels.triton_lang import prefill_logits as tcl
     from pallas_kernels.triton_lang import topk_rows as tct
     layout, cache, table, key, heads = read_case(cfg, 1, tokens)

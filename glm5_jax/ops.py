@@ -781,11 +781,12 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     """select_tokens with implementation="triton": chunks of query rows (at most
     ``workspace_bytes`` of logits and top-k buffers at a time,
     ``pallas_kernels.read.workspace``) through the tensor-core logits kernel and the
-    Triton top-k: for prefill chunks one program per row (rows up to the register
-    form's width read once into registers; longer ones, for which the logits kernel
-    also writes group maxima, read only the groups whose maximum reaches the row's
-    floor), then the expansion kernel; for decode rows (fewer than TC_MIN_ROWS per
-    request) the split top-k, whose rank launch writes the token indices itself."""
+    Triton top-k: for prefill chunks one program per row (``topk_rows.DEFAULT``: the
+    logits kernel also writes group maxima, and a row reads only the groups whose
+    maximum reaches its floor; the register form, for rows up to its width, stays off:
+    docs/design.md's known issue), then the expansion kernel; for decode rows (fewer
+    than TC_MIN_ROWS per request) the split top-k, whose rank launch writes the token
+    indices itself."""
     tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")
     tc_topk = importlib.import_module("pallas_kernels.triton_lang.topk_rows")
     tc_split = importlib.import_module("pallas_kernels.triton_lang.split_topk")

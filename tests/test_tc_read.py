@@ -18,7 +18,9 @@ XLA path, the bound E against an f64 golden. GPU tests (marked gpu): the kernels
 compiled, against the f64 golden and the reference.
 """
 import dataclasses
+import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -946,8 +948,8 @@ def _select(layout, layer, impl, ws=None):
 def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_pools):
     """Prefill of one request: the selected pools equal the golden selection on every
     decided row, the tail columns equal the reference's, determinism run to run; with
-    the default shape every row fits the register form (no maxima), with 1024 the
-    longer rows go through the logits kernel's maxima."""
+    the default shape every row goes through the logits kernel's maxima, with 1024 the
+    rows of at most 1024 pools take the register form."""
     _require_triton()
     if reg_pools is not None:
         from pallas_kernels.triton_lang import topk_rows
@@ -972,6 +974,49 @@ def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_pools):
     sel = lambda x: np.sort(x[:, :k * c.kpool].reshape(x.shape[0], k, c.kpool)[..., 0], axis=1)   # noqa: E731
     np.testing.assert_array_equal(sel(got[decided]), sel(want[decided]))               # the selected sets
     np.testing.assert_array_equal(got[:, k * c.kpool:], want[:, k * c.kpool:])         # the tail tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reg_pools", [
+    None, pytest.param(4096, marks=pytest.mark.xfail(
+        strict=True, reason="known issue (docs/design.md): the register launch inside the chunk loop"))])
+def test_tc_select_tokens_in_chunks_equals_the_row_topk_alone(rng, monkeypatch, reg_pools):
+    """A 32k-token prefill through select_tokens in its default chunks (lax.map over
+    three chunks of 11,070 rows): every row's pools are those the row top-k gives for
+    that chunk's logits called alone, itself the host reference's on sampled rows. The
+    default (no register form) holds; the register form's case is the known issue."""
+    _require_triton()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_read import queries, read_case
+    from pallas_kernels.triton_lang import prefill_logits as tcl
+    from pallas_kernels.triton_lang import topk_rows
+    if reg_pools is not None:
+        monkeypatch.setattr(topk_rows, "DEFAULT", topk_rows.Tuning(reg_pools=reg_pools))
+    cfg = IndexerConfig()
+    k, tokens = cfg.topk_pools, 32768
+    layout, cache, table, key, heads = read_case(cfg, 1, tokens, seed=int(rng.integers(1 << 30)))
+    s = layout.strides(0)
+    q8, w = queries(key, 1, tokens, heads)
+    rows = workspace.rows_per_chunk(tokens, addr.pools_in_pages(s, table.shape[1]), k)
+    assert rows < tokens                                           # chunks, so lax.map runs
+    logits = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True,
+                                                            tune=tcl.PREFILL))
+    alone = []
+    for lo in range(0, tokens, rows):
+        hi = min(lo + rows, tokens)
+        ctx = ((jnp.arange(lo, hi, dtype=jnp.int32) + 1) // cfg.kpool)[None, :]
+        lg, mx = logits(cache, q8[:, lo:hi], w[:, lo:hi], ctx)
+        lg, mx, lens = lg.reshape(hi - lo, -1), mx.reshape(hi - lo, -1), ctx.reshape(-1)
+        ids = np.asarray(topk_rows.topk_pools(lg, lens, k, mx, tune=topk_rows.Tuning(reg_pools=0)))
+        pick = rng.choice(hi - lo, 3, replace=False)
+        np.testing.assert_array_equal(ids[pick], np_topk(np.asarray(lg)[pick], np.asarray(lens)[pick], k))
+        alone.append(ids)
+    alone = np.concatenate(alone)
+    pos = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    got = np.asarray(jax.jit(lambda c, q, ww, t, p: ops.select_tokens(
+        c, layout, 0, q, ww, t, p, short_context=False, implementation="triton"))(cache, q8, w, table, pos))
+    pools = got.reshape(tokens, -1)[:, 0:k * cfg.kpool:cfg.kpool] // cfg.kpool       # -1 stays -1
+    np.testing.assert_array_equal(pools, alone)
 
 
 @pytest.mark.gpu

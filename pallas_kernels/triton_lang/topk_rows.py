@@ -20,7 +20,9 @@ selected buffer in id order, and one sort of the <= KP selected (key, id) pairs 
 them. Longer rows take the walks below, in a second launch over the same output
 (``LONG``): each launch's programs leave the other's rows alone, and each compiles
 with its own registers (the register form needs many; sharing one kernel would
-hold the walks to its occupancy).
+hold the walks to its occupancy). Known issue: inside lax.map over prefill chunks
+(11,070 rows x 8,192 scores) the register launch's rows come out wrong, while the
+same call alone is right (docs/design.md); ``DEFAULT`` leaves the form off.
 
 With group maxima (the largest order key of each group of 8 columns, written by
 the logits kernel) and a row of at least k whole groups, the program
@@ -395,7 +397,9 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, o
                           K, KP, REG)
 
 
-DEFAULT = Tuning()                           # the prefill chunks' shape (select_tokens)
+# the prefill chunks' shape (select_tokens): without the register form, whose launch gives
+# wrong ids inside select_tokens' chunk loop (docs/design.md, "Known issue")
+DEFAULT = Tuning(reg_pools=0)
 WHOLE_ROW = Tuning(block=1024, bins=64)      # without maxima: every walk covers the whole row
 
 
