@@ -82,8 +82,8 @@ class Tuning:
     """Launch shape: BLOCK scores per step of a walk, warps per program, NB bins per
     level, SMALL the edge size sorted in the short form, REG the longest row held in
     registers (0: none), floor_maxima the most group maxima of a row held in registers
-    for its floor (0: none). Defaults: the fastest shape for prefill chunks
-    (docs/benchmarks.md)."""
+    for its floor (0: none). Defaults: the fastest shape measured for prefill chunks
+    (docs/benchmarks.md); ``DEFAULT`` leaves the register form off (the known issue)."""
     block: int = 512
     num_warps: int = 4
     bins: int = 32
