@@ -444,7 +444,7 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
         maxima_in, sel_w, groups = maxima, 2 * kp + cap, rows * cap
     lengths = lengths.astype(jnp.int32)
     reg = min(tune.reg_pools, 1 << (n - 1).bit_length())   # >= n: the register launch takes every row
-    floor_tile = min(tune.floor_maxima, max(16, 1 << (n_groups - 1).bit_length()))   # n_groups >= 1
+    floor_tile_maxima = min(tune.floor_maxima, max(16, 1 << (n_groups - 1).bit_length()))   # n_groups >= 1
 
     def launch(out_in, reg_, long_, with_maxima):
         mx_, sel_w_, groups_ = (maxima_in, sel_w, groups) if with_maxima else (jnp.zeros((1,), jnp.uint32), 2 * kp, 1)
@@ -456,7 +456,7 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
             grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
             input_output_aliases={3: 3} if aliased else None,
             constexprs=dict(consts(k, cap, sel_w_, tune, with_maxima), REVERSE=tune.reverse, REG=reg_, LONG=long_,
-                            FLOOR_TILE=floor_tile if with_maxima else 0))[3]
+                            FLOOR_TILE=floor_tile_maxima if with_maxima else 0))[3]
 
     if reg == 0:
         return launch(None, 0, False, maxima is not None)
