@@ -9,9 +9,9 @@
     chunks with the top-k left out);
   * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once;
   * with --mosaic, JAX's Mosaic GPU Hopper matmul example on the same product (f16);
-  * with --shapes, the row top-k's shapes (the maxima's floor taken from the maxima
-    in registers, or placed by histograms): the whole select_tokens per
-    shape, and on the longest chunk of each prefill the logits kernel with and
+  * with --shapes, the row top-k's shapes (with or without the register form for
+    rows of up to 4096 pools; the maxima's floor taken from the maxima in registers,
+    or placed by histograms): the whole select_tokens per shape, and on the longest chunk of each prefill the logits kernel with and
     without its group maxima and the row top-k alone (ids checked equal).
   * with --logits-pages P ..., the prefill logits kernel's page-table columns per
     program: the whole select_tokens per value (ids checked equal) and the logits
@@ -133,13 +133,12 @@ def bench_prefill(cfg, tokens, impls, mm, quick):
 
 
 def shapes():
-    """The row top-k's shapes timed by --shapes: (label, Tuning). The register form
-    stays off in both (docs/design.md's known issue: inside select_tokens' chunk loop
-    its rows come out wrong, which the ids check would stop at)."""
+    """The row top-k's shapes timed by --shapes: (label, Tuning)."""
     from pallas_kernels.triton_lang import topk_rows as tct
     T = tct.Tuning
-    return (("floor from histograms", T(reg_pools=0, floor_maxima=0)),
-            ("floor from registers (default)", T(reg_pools=0)))
+    return (("register form, floor from registers (default)", T()),
+            ("no register form, floor from registers", T(reg_pools=0)),
+            ("no register form, floor from histograms", T(reg_pools=0, floor_maxima=0)))
 
 
 def select_tokens_per_setting(module, name, settings, layout, args):

@@ -621,6 +621,30 @@ def test_tc_topk_in_registers_equals_the_reference(rng, k, reg_pools, warps):
     np.testing.assert_array_equal(np.asarray(g(jnp.asarray(x), jnp.asarray(lengths))), want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("reg_pools", [4096, 8192])
+def test_tc_topk_in_a_loop_equals_the_same_call_alone(rng, reg_pools):
+    """Inside lax.map over chunks of a 32k prefill's shape (11,070 rows of 8,352 scores:
+    the loop select_tokens runs its chunks in, each chunk's result written into the
+    loop's stacked output), the row top-k gives the ids it gives called alone, with both
+    launches: the register form for the rows it holds (without maxima) and the walks
+    through the maxima's floor for the rest."""
+    _require_triton()
+    from pallas_kernels.triton_lang import topk_rows
+    k, rows, n = 512, 11070, 8352
+    x = jnp.asarray(rng.standard_normal((2, rows, n)).astype(np.float32))
+    lengths = jnp.asarray(rng.integers(0, n + 1, (2, rows)).astype(np.int32))
+    mx = jnp.stack([jnp.asarray(group_maxima(np.asarray(x[i]))) for i in range(2)])
+    tune = topk_rows.Tuning(reg_pools=reg_pools)
+    call = lambda a, l, m: topk_rows.topk_pools(a, l, k, m, tune=tune)  # noqa: E731
+    alone = np.stack([np.asarray(jax.jit(call)(x[i], lengths[i], mx[i])) for i in range(2)])
+    looped = np.asarray(jax.jit(lambda a, l, m: jax.lax.map(lambda c: call(*c), (a, l, m)))(x, lengths, mx))
+    np.testing.assert_array_equal(looped, alone)
+    ln = np.asarray(lengths[0])
+    for i in (int(np.argmin(ln)), int(np.argmax(np.where(ln <= reg_pools, ln, -1))), int(np.argmax(ln))):
+        np.testing.assert_array_equal(alone[0, i], np_topk(np.asarray(x[0, i:i + 1]), ln[i:i + 1], k)[0])
+
+
 def step_maxima(x):
     """[rows, n] scores -> [rows, maxima_cols(n, 64)] u32: the largest order key of each
     64-column step."""
@@ -976,17 +1000,14 @@ def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_pools):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reg_pools", [
-    None, pytest.param(4096, marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="known issue (docs/design.md), seen on an H100 with jax 0.11.2: the register launch "
-               "inside the chunk loop"))])
+@pytest.mark.parametrize("reg_pools", [None, 0])
 def test_tc_select_tokens_in_chunks_equals_the_row_topk_alone(rng, monkeypatch, reg_pools):
     """A 32k-token prefill through select_tokens in its default chunks (lax.map over
     three chunks of 11,070 rows): every row's pools are those the row top-k gives for
-    that chunk's logits called alone, itself the host reference's on each chunk's last
-    (longest) row and two random ones. The default (no register form) holds; the
-    register form's case is the known issue."""
+    that chunk's logits called alone without the register form, itself the host
+    reference's on each chunk's last (longest) row and two random ones. With the
+    default (the register form for rows of up to 4096 pools, the walks for the rest:
+    two launches merged by row) and without the register form (0)."""
     _require_triton()
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     from bench_read import queries, read_case
@@ -1077,6 +1098,32 @@ def test_tc_decode_select_tokens_follows_the_contract(rng, next_n):
     sel = lambda x: np.sort(x[:, :k * c.kpool].reshape(x.shape[0], k, c.kpool)[..., 0], axis=1)   # noqa: E731
     np.testing.assert_array_equal(sel(got[decided]), sel(want[decided]))
     np.testing.assert_array_equal(got[:, k * c.kpool:], want[:, k * c.kpool:])
+
+
+@pytest.mark.gpu
+def test_tc_decode_select_tokens_in_chunks_equals_one_chunk(rng):
+    """Speculative decode rows (3 per request) through the split top-k in chunks of one
+    row per request (lax.map over 3 chunks; the logits kernel's counters feed the
+    candidates launch and the rank launch through aliased outputs) give the indices of
+    the same rows in one chunk."""
+    _require_triton()
+    b, next_n, k = 24, 3, 64
+    layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=b, n=next_n, max_pages=40)
+    c = layout.config
+    n_pools = table.shape[1] * s.page_rows
+    last = rng.integers(next_n + 2100, n_pools * c.kpool, b)
+    pos = (last[:, None] - np.arange(next_n)[::-1][None, :]).astype(np.int32)
+    ws = b * workspace.chunk_row_bytes(n_pools, k, tokens_per_row=k * c.kpool + c.kpool - 1)
+    assert workspace.rows_per_chunk(next_n, n_pools, k, b, ws, tokens_per_row=k * c.kpool + c.kpool - 1) == 1
+
+    def select(ws_):
+        return jax.jit(lambda cc, q, w, t, p: ops.select_tokens(cc, layout, layer, q, w, t, p, topk_tokens=k * c.kpool,
+                                                                 short_context=False, implementation="triton",
+                                                                 workspace_bytes=ws_))
+    args = (cache, q8, wf, jnp.asarray(table), jnp.asarray(pos))
+    one = np.asarray(select(None)(*args))
+    assert "while" in select(ws).lower(*args).as_text()            # the chunks run in a loop
+    np.testing.assert_array_equal(np.asarray(select(ws)(*args)), one)
 
 
 @pytest.mark.gpu

@@ -17,12 +17,12 @@ into registers, and never again: its take-th best key comes from a bit-by-bit se
 bit between the row's least and largest key, ending early when exactly take keys
 reach the prefix), the keys above it and the first ties at it by id go to the
 selected buffer in id order, and one sort of the <= KP selected (key, id) pairs orders
-them. Longer rows take the walks below, in a second launch over the same output
-(``LONG``): each launch's programs leave the other's rows alone, and each compiles
-with its own registers (the register form needs many; sharing one kernel would
-hold the walks to its occupancy). Known issue: inside lax.map over prefill chunks
-(11,070 rows x 8,192 scores) the register launch's rows come out wrong, while the
-same call alone is right (docs/design.md); ``DEFAULT`` leaves the form off.
+them. Longer rows take the walks below, in a second launch (``LONG``): each launch
+writes only its own rows, and each compiles with its own registers (the register
+form needs many; sharing one kernel would hold the walks to its occupancy). The two
+outputs are merged by row length, not written in place through an aliased output:
+inside lax.map XLA's dynamic-slice fusion loses the first launch's rows of an
+aliased chain (docs/design.md).
 
 With group maxima (the largest order key of each group of 8 columns, written by
 the logits kernel) and a row of at least k whole groups, the program
@@ -83,7 +83,7 @@ class Tuning:
     level, SMALL the edge size sorted in the short form, REG the longest row held in
     registers (0: none), floor_maxima the most group maxima of a row held in registers
     for its floor (0: none). Defaults: the fastest shape measured for prefill chunks
-    (docs/benchmarks.md); ``DEFAULT`` leaves the register form off (the known issue)."""
+    (docs/benchmarks.md)."""
     block: int = 512
     num_warps: int = 4
     bins: int = 32
@@ -366,19 +366,18 @@ def register_topk(base, n, take, ck, ci, out_row, K: tl.constexpr, KP: tl.conste
 
 
 @triton.jit
-def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, out_in_ptr, sel_key_ptr, sel_id_ptr,
+def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr,
                 group_ptr, out_ptr, K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
                 GROUP: tl.constexpr, STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr,
                 NB: tl.constexpr, SMALL: tl.constexpr, REVERSE: tl.constexpr, REG: tl.constexpr,
                 LONG: tl.constexpr, FLOOR_TILE: tl.constexpr):
     # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; maxima: [n_rows, n_groups] u32 (the
     # order key's maximum of the columns workspace.group_columns(g); read only with MAXIMA);
-    # out_in: the output of the register launch (aliased to out) or unused;
     # sel_key / sel_id: [n_rows, SEL_W] u32 / i32 scratch (each row its own: [0, KP) the answer,
     # [KP, 2 KP) the edge bin, with MAXIMA [2 KP, 2 KP + CAP) the candidates); group:
     # [n_rows, CAP] i32 scratch with MAXIMA (the listed groups); out: [n_rows, K] i32.
     # REG > 0: LONG False takes the rows of at most REG scores (the register form), LONG True
-    # the others; each leaves the other's rows of out as they are.
+    # the others; each leaves the other's rows of out unwritten.
     pid = tl.program_id(0)
     row = (n_rows - 1 - pid) if REVERSE else pid
     out_row = out_ptr + row.to(tl.int64) * K
@@ -397,9 +396,7 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, o
                           K, KP, REG)
 
 
-# the prefill chunks' shape (select_tokens): without the register form, whose launch gives
-# wrong ids inside select_tokens' chunk loop (docs/design.md, "Known issue")
-DEFAULT = Tuning(reg_pools=0)
+DEFAULT = Tuning()                           # the prefill chunks' shape (select_tokens)
 WHOLE_ROW = Tuning(block=1024, bins=64)      # without maxima: every walk covers the whole row
 
 
@@ -446,21 +443,20 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
     reg = min(tune.reg_pools, 1 << (n - 1).bit_length())   # >= n: the register launch takes every row
     floor_tile_maxima = min(tune.floor_maxima, max(16, 1 << (n_groups - 1).bit_length()))   # n_groups >= 1
 
-    def launch(out_in, reg_, long_, with_maxima):
+    def launch(reg_, long_, with_maxima):
         mx_, sel_w_, groups_ = (maxima_in, sel_w, groups) if with_maxima else (jnp.zeros((1,), jnp.uint32), 2 * kp, 1)
-        aliased = out_in is not None
         return _call.run_read(
-            topk_kernel, (rows, n, n_groups), (logits, lengths, mx_, out_in if aliased else lengths),
+            topk_kernel, (rows, n, n_groups), (logits, lengths, mx_),
             (jax.ShapeDtypeStruct((rows, sel_w_), jnp.uint32), jax.ShapeDtypeStruct((rows, sel_w_), jnp.int32),
              jax.ShapeDtypeStruct((groups_,), jnp.int32), jax.ShapeDtypeStruct((rows, k), jnp.int32)),
             grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
-            input_output_aliases={3: 3} if aliased else None,
             constexprs=dict(consts(k, cap, sel_w_, tune, with_maxima), REVERSE=tune.reverse, REG=reg_, LONG=long_,
                             FLOOR_TILE=floor_tile_maxima if with_maxima else 0))[3]
 
     if reg == 0:
-        return launch(None, 0, False, maxima is not None)
-    out = launch(None, reg, False, False)                          # the rows of at most reg scores
-    if reg < n:
-        out = launch(out, reg, True, maxima is not None)           # the longer rows, into the same output
+        return launch(0, False, maxima is not None)
+    out = launch(reg, False, False)                                # the rows of at most reg scores
+    if reg < n:                                                    # the longer rows, merged by length
+        short = (jnp.clip(lengths, 0, n) <= reg)[:, None]            # the kernel's row length
+        out = jnp.where(short, out, launch(reg, True, maxima is not None))
     return out
