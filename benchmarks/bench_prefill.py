@@ -11,8 +11,9 @@
   * with --mosaic, JAX's Mosaic GPU Hopper matmul example on the same product (f16);
   * with --shapes, the row top-k's shapes (with or without the register form for
     rows of up to 4096 pools; the maxima's floor taken from the maxima in registers,
-    or placed by histograms): the whole select_tokens per shape, and on the longest chunk of each prefill the logits kernel with and
-    without its group maxima and the row top-k alone (ids checked equal).
+    or placed by histograms): the whole select_tokens per shape, and on the longest
+    chunk of each prefill the logits kernel with and without its group maxima and the
+    row top-k alone (ids checked equal).
   * with --logits-pages P ..., the prefill logits kernel's page-table columns per
     program: the whole select_tokens per value (ids checked equal) and the logits
     kernel on the first and last chunk, all timed interleaved, three rounds.
@@ -136,8 +137,8 @@ def shapes():
     """The row top-k's shapes timed by --shapes: (label, Tuning)."""
     from pallas_kernels.triton_lang import topk_rows as tct
     T = tct.Tuning
-    return (("register form, floor from registers (default)", T()),
-            ("no register form, floor from registers", T(reg_pools=0)),
+    return (("register form, floor from registers", T()),
+            ("no register form, floor from registers (default)", T(reg_pools=0)),
             ("no register form, floor from histograms", T(reg_pools=0, floor_maxima=0)))
 
 

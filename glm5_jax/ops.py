@@ -783,8 +783,8 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     ``pallas_kernels.read.workspace``) through the tensor-core logits kernel and the
     Triton top-k: for prefill chunks one program per row (``topk_rows.DEFAULT``: the
     logits kernel also writes group maxima, and a row reads only the groups whose
-    maximum reaches its floor; rows of up to 4096 pools take the register form), then
-    the expansion kernel; for decode rows (fewer
+    maximum reaches its floor; the register form stays off, slower through the whole
+    op), then the expansion kernel; for decode rows (fewer
     than TC_MIN_ROWS per request) the split top-k, whose rank launch writes the token
     indices itself."""
     tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")

@@ -1000,14 +1000,14 @@ def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_pools):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reg_pools", [None, 0])
+@pytest.mark.parametrize("reg_pools", [None, 4096])
 def test_tc_select_tokens_in_chunks_equals_the_row_topk_alone(rng, monkeypatch, reg_pools):
     """A 32k-token prefill through select_tokens in its default chunks (lax.map over
     three chunks of 11,070 rows): every row's pools are those the row top-k gives for
     that chunk's logits called alone without the register form, itself the host
     reference's on each chunk's last (longest) row and two random ones. With the
-    default (the register form for rows of up to 4096 pools, the walks for the rest:
-    two launches merged by row) and without the register form (0)."""
+    default (no register form) and with the register form for rows of up to 4096
+    pools (the walks for the rest: two launches merged by row)."""
     _require_triton()
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     from bench_read import queries, read_case

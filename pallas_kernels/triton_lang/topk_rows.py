@@ -83,7 +83,7 @@ class Tuning:
     level, SMALL the edge size sorted in the short form, REG the longest row held in
     registers (0: none), floor_maxima the most group maxima of a row held in registers
     for its floor (0: none). Defaults: the fastest shape measured for prefill chunks
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md), but for ``reg_pools``, which ``DEFAULT`` turns off."""
     block: int = 512
     num_warps: int = 4
     bins: int = 32
@@ -396,7 +396,9 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, s
                           K, KP, REG)
 
 
-DEFAULT = Tuning()                           # the prefill chunks' shape (select_tokens)
+# the prefill chunks' shape (select_tokens): the register form off, faster through the
+# whole select_tokens at 32k and 128k (docs/benchmarks.md)
+DEFAULT = Tuning(reg_pools=0)
 WHOLE_ROW = Tuning(block=1024, bins=64)      # without maxima: every walk covers the whole row
 
 
@@ -457,6 +459,6 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
         return launch(0, False, maxima is not None)
     out = launch(reg, False, False)                                # the rows of at most reg scores
     if reg < n:                                                    # the longer rows, merged by length
-        short = (jnp.clip(lengths, 0, n) <= reg)[:, None]            # the kernel's row length
+        short = (jnp.clip(lengths, 0, n) <= reg)[:, None]          # as the kernel clips a row's length
         out = jnp.where(short, out, launch(reg, True, maxima is not None))
     return out
