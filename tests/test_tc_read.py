@@ -592,7 +592,7 @@ def test_tc_topk_with_maxima_equals_the_reference(rng, k, floor_maxima):
 def test_tc_topk_in_registers_equals_the_reference(rng, k, reg_pools, warps):
     """Rows of at most reg_pools scores, held in registers (adversarial keys: ties at the
     k-th best, plateaus of zeros, NaN, +-inf, huge and tiny, every key equal), and the
-    longer rows, in a second launch over the same output (through the maxima's floor,
+    longer rows, in a second launch merged by row length (through the maxima's floor,
     or over the whole row where it has fewer than k whole groups or comes without
     maxima), give the reference's ids bit for bit, run to run; scores past a row's
     length never count."""
@@ -610,6 +610,7 @@ def test_tc_topk_in_registers_equals_the_reference(rng, k, reg_pools, warps):
     lengths[18] = reg_pools - 40
     x[18, reg_pools - 40:] = 1e38                                # larger than all, past the length
     lengths[19] = 1
+    lengths[20] = -5                                             # counts as 0, in the register launch
     want = np_topk(x, np.maximum(lengths, 0), k)
     tune = topk_rows.Tuning(reg_pools=reg_pools, num_warps=warps)
     mx = jnp.asarray(group_maxima(x))
@@ -641,7 +642,8 @@ def test_tc_topk_in_a_loop_equals_the_same_call_alone(rng, reg_pools):
     looped = np.asarray(jax.jit(lambda a, l, m: jax.lax.map(lambda c: call(*c), (a, l, m)))(x, lengths, mx))
     np.testing.assert_array_equal(looped, alone)
     ln = np.asarray(lengths[0])
-    for i in (int(np.argmin(ln)), int(np.argmax(np.where(ln <= reg_pools, ln, -1))), int(np.argmax(ln))):
+    shortest_full = int(np.argmin(np.where(ln > k, ln, n + 1)))     # a register row of more than k scores
+    for i in (shortest_full, int(np.argmax(np.where(ln <= reg_pools, ln, -1))), int(np.argmax(ln))):
         np.testing.assert_array_equal(alone[0, i], np_topk(np.asarray(x[0, i:i + 1]), ln[i:i + 1], k)[0])
 
 
@@ -1122,6 +1124,7 @@ def test_tc_decode_select_tokens_in_chunks_equals_one_chunk(rng):
                                                                  workspace_bytes=ws_))
     args = (cache, q8, wf, jnp.asarray(table), jnp.asarray(pos))
     one = np.asarray(select(None)(*args))
+    assert "while" not in select(None).lower(*args).as_text()      # one chunk
     assert "while" in select(ws).lower(*args).as_text()            # the chunks run in a loop
     np.testing.assert_array_equal(np.asarray(select(ws)(*args)), one)
 
