@@ -309,8 +309,7 @@ def main(argv=None):
                     help="also JAX's Mosaic GPU Hopper matmul example on the same 8192^3 product (GPU)")
     ap.add_argument("--profile", action="store_true",
                     help="no table: the row top-k of each prefill's first chunk and last chunk's worth of rows "
-                         "inside the CUDA "
-                         "profiler's window, for ncu --profile-from-start off (GPU)")
+                         "inside the CUDA profiler's window, for ncu --profile-from-start off (GPU)")
     ap.add_argument("--logits-pages", type=int, nargs="+", metavar="PAGES",
                     help="the prefill logits' page-table columns per program to compare, powers of two "
                          "from 2 (GPU; e.g. 64 128 256)")
@@ -351,12 +350,12 @@ def main(argv=None):
         for k in (512, 2048):
             out += bench_topk(4 if a.quick else 64, 8192 if a.quick else 131072, k, impls,
                               2 if a.quick else 10, 2 if a.quick else 5)
-    print(f"\n{'case':18s} {'implementation':48s} {'time':>12s} {'TFLOP/s':>8s} {'x matmul':>8s} "
+    print(f"\n{'case':18s} {'implementation':56s} {'time':>12s} {'TFLOP/s':>8s} {'x matmul':>8s} "
           f"{'vs xla':>7s} {'vs pallas':>9s} {'x read':>7s}")
     for r in out:
         t = f"{r['ms']:.2f} ms" if "ms" in r else f"{r['us']:.1f} us"
         fmt = lambda v, f: (f % v) if v is not None else ""      # noqa: E731
-        print(f"{r['case']:18s} {r['impl']:48s} {t:>12s} {fmt(r.get('tflops'), '%.0f'):>8s} "
+        print(f"{r['case']:18s} {r['impl']:56s} {t:>12s} {fmt(r.get('tflops'), '%.0f'):>8s} "
               f"{fmt(r.get('x_matmul'), '%.3f'):>8s} {fmt(r.get('vs_xla'), '%.1f'):>7s} "
               f"{fmt(r.get('vs_pallas'), '%.2f'):>9s} {fmt(r.get('x_read'), '%.2f'):>7s}")
     if a.json:
