@@ -469,6 +469,27 @@ def test_topk_fallback_writes_only_overflowed_rows(rng):
     assert (got[2, 10:] == -1).all() and tk.next_pow2(cap) == cap
 
 
+@pytest.mark.gpu
+def test_topk_pools_in_a_loop_equals_the_same_call_alone(rng):
+    """Inside lax.map (each chunk's ids written into the loop's stacked output) the
+    Pallas top-k gives the ids it gives called alone, where its last launch, the
+    fallback, takes the select's ids as an aliased operand and rewrites only the
+    overflowed rows: one row in eight is a plateau of equal scores, more candidates
+    than the filter's list holds, and every other row keeps the select's ids."""
+    chunks, rows, n, k = 2, 2048, 8192 + 77, 512
+    x = rng.standard_normal((chunks, rows, n)).astype(np.float32)
+    x[:, ::8] = np.where(rng.random((chunks, rows // 8, n)) < 0.5, 0.0, -1.0)    # ReLU-like plateaus
+    lengths = rng.integers(k // 2, n + 1, (chunks, rows)).astype(np.int32)
+    call = lambda a, l: ops.topk_pools(a, l, k, implementation="pallas")    # noqa: E731
+    alone = np.stack([np.asarray(jax.jit(call)(jnp.asarray(x[i]), jnp.asarray(lengths[i])))
+                      for i in range(chunks)])
+    looped = np.asarray(jax.jit(lambda a, l: jax.lax.map(lambda c: call(*c), (a, l)))(
+        jnp.asarray(x), jnp.asarray(lengths)))
+    np.testing.assert_array_equal(looped, alone)
+    for r in (0, 1, 8, 9):                                   # plateau rows (fallback) and select rows
+        np.testing.assert_array_equal(alone[1, r], np_topk(x[1, r:r + 1], lengths[1, r:r + 1], k)[0])
+
+
 def test_topk_filter_ignores_stale_run_ids(rng):
     """The filter loads its run ids before it knows the row's run count: entries past
     the count (stale bytes on the GPU; here negative, huge and real run ids) must be
