@@ -167,7 +167,7 @@ def group_columns(group: int) -> list[int]:
     """The 8 logit columns of maximum `group`: in step s = group // 8 (columns 64 s ..
     64 s + 63), group j = group % 8 = 2 w + a holds columns 64 s + 16 w + 4 a + {0, 1,
     2, 3, 8, 9, 10, 11}: the rows one thread and three lanes of warp w hold in the MMA
-    accumulator (one register pair, lane bits 2-4), so the maximum needs one compare in
+    accumulator (one register pair, lane bits 2-3), so the maximum needs one compare in
     registers and two shuffle levels."""
     s, j = divmod(int(group), MAXIMA_STEP_POOLS // MAXIMA_GROUP_POOLS)
     base = MAXIMA_STEP_POOLS * s + 16 * (j // 2) + 4 * (j % 2)
