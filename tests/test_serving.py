@@ -650,10 +650,12 @@ def test_projection_kernel_changes_no_byte(rng, monkeypatch):
 # ---------------------------------------------------------------------------------
 def _waves(rng):
     """Two waves of requests: prompts of 5..250 tokens (longer than a chunk: several
-    prefill steps), then a re-hit of the first wave's longest prompt and two more."""
-    first = [(f"a{i}", tokens(rng, int(rng.integers(5, 251))), int(rng.integers(1, 9))) for i in range(4)]
+    prefill steps; the first longer than a block and one token), then a re-hit of the
+    first wave's longest prompt, a block of it cached, and two more."""
+    first = [(f"a{i}", tokens(rng, int(rng.integers(BS + 2 if i == 0 else 5, 251))), int(rng.integers(1, 9)))
+             for i in range(4)]
     longest = max(first, key=lambda r: len(r[1]))[1]
-    second = [("hit", longest[:BS + int(rng.integers(1, BS))] if len(longest) > BS + 1 else longest, 5),
+    second = [("hit", longest[:BS + int(rng.integers(1, min(BS, len(longest) - BS)))], 5),
               ("b0", tokens(rng, int(rng.integers(5, 200))), int(rng.integers(1, 9))),
               ("b1", tokens(rng, int(rng.integers(5, 200))), int(rng.integers(1, 9)))]
     return first, second
