@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -77,10 +78,23 @@ def capture(fn, *args):
 
     reg.lowering.lower_jaxpr_to_triton_module = spy
     try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        with cuda_lowering():
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = orig
     return found
+
+
+def cuda_lowering():
+    """A context in which Pallas calls lower for CUDA on a machine without a GPU: from JAX
+    0.12 the Triton backend's lowering asks for a GPU, here an abstract H200 of a
+    one-device abstract mesh (the kernels' Triton IR does not depend on the card). On a
+    GPU backend nothing changes: the lowering reads the process's own device."""
+    if jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def sass_summary(cubin: str, cuobjdump: str):

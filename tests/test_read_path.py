@@ -968,8 +968,14 @@ def test_read_kernels_lower_for_triton():
     from pallas_kernels.read.query_quant import fwht_quant
     from pallas_kernels.topk import topk_pools
 
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import offline_sass as osass
+
     def lower(f, *a):
-        return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+        with osass.cuda_lowering():                    # an abstract GPU where the process has none
+            return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
 
     layout = CacheLayout(IndexerConfig(block_size=512), num_layers=1, num_blocks=8)
     s = layout.strides(0)
