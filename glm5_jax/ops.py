@@ -810,14 +810,15 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
 
     def pick(k):
         def rows(xs, sc):                                      # a chunk's scores -> [B, chunk, k] pool ids
-            bb, cn = xs[2].shape
+            _, _, cx = xs
+            bb, cn = cx.shape
             lg, mx = sc if maxima else (sc, None)
-            ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), xs[2].reshape(-1), k,
+            ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
                                      None if mx is None else mx.reshape(bb * cn, -1), tune=tune)
             return ids.reshape(bb, cn, k)
         return rows
 
-    def after(xs, ids):                                        # the context read only once `ids` exist
+    def wait_for(xs, ids):                                     # the contexts read only once `ids` exist
         q, w, cx = xs
         return q, w, cx + (ids[0, 0, 0] < -1).astype(cx.dtype)    # ids >= -1: adds 0
 
@@ -825,7 +826,7 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
         one_pass = chunk_of(k)
         if _workspace.overlap_prefill_chunks(n, one_pass):
             return ref.map_query_rows_overlapped(scores, pick(k), chunk_of(k, live_chunks=2), q8, weights, ctx,
-                                                 beside=_triton.beside, after=after)
+                                                 beside=_triton.beside, wait_for=wait_for)
         return ref.map_query_rows(lambda q, w, cx: pick(k)((q, w, cx), scores(q, w, cx)), one_pass,
                                   q8, weights, ctx)
 

@@ -457,7 +457,7 @@ def map_query_rows(fn, chunk: int, *arrays):
 OVERLAP_GROUP_CHUNKS = 8      # chunks per loop step of map_query_rows_overlapped
 
 
-def map_query_rows_overlapped(produce, consume, chunk: int, *arrays, beside=None, after=None,
+def map_query_rows_overlapped(produce, consume, chunk: int, *arrays, beside=None, wait_for=None,
                               group_chunks: int = OVERLAP_GROUP_CHUNKS):
     """map_query_rows of ``consume(xs, produce(*xs))`` with chunk j's consume free to run
     beside chunk j + 1's produce.
@@ -466,50 +466,52 @@ def map_query_rows_overlapped(produce, consume, chunk: int, *arrays, beside=None
     produce(*xs) returns a chunk's intermediate (any pytree), consume(xs, mid) its
     [B, chunk, ...] result. ``beside(consume)`` (default: consume itself) is how
     consume is called, e.g. as an asynchronous call on a second stream. So that at
-    most two intermediates are alive at once, produce(j) takes its inputs from
-    ``after(xs_j, out_{j-2})`` (default: xs_j as they are), which the caller makes
-    depend on consume(j - 2)'s result. The chunks run in loop steps of `group_chunks`
-    (one lax.scan, nothing carried between steps: every step writes its own slice of
-    the result) and the leftover chunks after it; the ordering holds within a step and
-    a step ends when its last consume has.
+    most two intermediates are alive at once, chunk j's produce and consume take
+    ``wait_for(xs_j, out_{j-2})`` for xs_j (default: xs_j as they are), which the
+    caller makes depend on chunk j - 2's result. Up to 2 * group_chunks - 1 chunks run
+    unrolled; more run in loop steps of `group_chunks` (one lax.scan, nothing carried:
+    every step writes its own slice of the result, and a step ends when its last
+    consume has), the leftover chunks unrolled after the loop and waiting for its last
+    two results.
     """
-    if not isinstance(group_chunks, int) or isinstance(group_chunks, bool) or group_chunks < 1:
-        raise ValueError(f"group_chunks must be an int >= 1, got {group_chunks!r}")
-    side = consume if beside is None else beside(consume)
+    for name, v in (("chunk", chunk), ("group_chunks", group_chunks)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     n = arrays[0].shape[1]
+    if chunk >= n:
+        return consume(arrays, produce(*arrays))
+    side = consume if beside is None else beside(consume)
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
     fills = [(-1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays]
     padded = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=f)
               for a, f in zip(arrays, fills)]
 
-    def run(first_chunk, count):
-        """Chunks first_chunk .. first_chunk + count - 1 (first_chunk may be traced):
-        their results stacked, [count, B, chunk, ...]."""
-        outs = []
+    def run(first_chunk, count, before=()):
+        """Chunks first_chunk .. first_chunk + count - 1 (first_chunk may be traced), the
+        results of the (up to two) chunks just before them in `before`: their results
+        stacked, [count, B, chunk, ...]."""
+        outs = list(before)
         for j in range(count):
             start = first_chunk * chunk + j * chunk
             xs = tuple(_lax.dynamic_slice_in_dim(a, start, chunk, axis=1) for a in padded)
-            if after is not None and j >= 2:
-                xs = after(xs, outs[j - 2])
+            if wait_for is not None and len(outs) >= 2:
+                xs = wait_for(xs, outs[-2])
             outs.append(side(xs, produce(*xs)))
-        return jnp.stack(outs)
+        return jnp.stack(outs[len(before):])
 
     n_groups, rest = divmod(n_chunks, group_chunks)
-    parts = []
-    if n_groups == 1:
-        parts.append(run(0, group_chunks))
-    elif n_groups > 1:
+    if n_groups < 2:
+        out = run(0, n_chunks)                                         # [n_chunks, B, chunk, ...]
+    else:
         _, ys = _lax.scan(lambda c, g: (c, run(g * group_chunks, group_chunks)), 0,
                           jnp.arange(n_groups, dtype=jnp.int32))
-        parts.append(ys.reshape((n_groups * group_chunks,) + ys.shape[2:]))
-    if rest:
-        parts.append(run(n_groups * group_chunks, rest))
-    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)    # [n_chunks, B, chunk, ...]
+        out = ys.reshape((n_groups * group_chunks,) + ys.shape[2:])
+        if rest:
+            out = jnp.concatenate([out, run(n_groups * group_chunks, rest, (out[-2], out[-1]))])
     out = jnp.moveaxis(out, 0, 1)
     out = out.reshape((out.shape[0], n_chunks * chunk) + out.shape[3:])
     return out[:, :n]
-
 
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,
                           topk_tokens: int, short_context=None, budget_bytes: int | None = None):

@@ -121,7 +121,6 @@ def test_rows_per_chunk_refuses_a_bound_below_one_row():
             workspace.rows_per_chunk(10, 1000, 512, 1, bad)
 
 
-
 def test_rows_per_chunk_holds_the_live_chunks_within_the_bound(rng, monkeypatch):
     for _ in range(200):
         n_rows = int(rng.integers(1, 1 << 21))
@@ -147,26 +146,33 @@ def test_rows_per_chunk_holds_the_live_chunks_within_the_bound(rng, monkeypatch)
     assert not workspace.overlap_prefill_chunks(32768, 11070)
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 8])
-def test_overlapped_chunks_give_the_rows_of_one_pass(rng, group):
+@pytest.mark.parametrize("n_chunks, group", [(5, 8), (11, 8), (16, 8), (17, 8), (26, 8), (9, 3), (7, 1), (1, 4)])
+def test_overlapped_chunks_give_the_rows_of_one_pass(rng, n_chunks, group):
     """map_query_rows_overlapped equals map_query_rows of consume(produce) for every
-    row, calls consume once per chunk through `beside`, and hands `after` chunk j - 2's
-    result with chunk j's inputs (a wrong pairing shifts the rows' values)."""
-    b, n, chunk, k = 2, int(rng.integers(40, 200)), int(rng.integers(3, 17)), 5
+    row, whether the chunks run unrolled or in scan steps with leftovers; it calls
+    consume once per traced chunk through `beside`, hands `wait_for` chunk j - 2's
+    result with chunk j's inputs (across the loop and its leftovers too: a wrong
+    pairing shifts the rows' values), and feeds wait_for's result, not the bare
+    slices, to produce and consume."""
+    b, k = 2, 5
+    chunk = int(rng.integers(3, 17))
+    n = chunk * (n_chunks - 1) + int(rng.integers(1, chunk + 1))           # n_chunks chunks, the last partial
     x = jnp.asarray(rng.standard_normal((b, n, 4)), jnp.float32)
     row = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))          # each row's own index
+    produced, consumed, waited = [], [], []
 
     def produce(xs, rows):
+        produced.append(rows)
         return {"s": xs * 2.0, "r": rows + 1}
 
     def consume(xs_rows, mid):
         xs, rows = xs_rows
+        consumed.append(rows)
         v = mid["s"].sum(-1, keepdims=True) + mid["r"][..., None].astype(jnp.float32)
-        out = jnp.concatenate([jnp.broadcast_to(rows[:, :1, None], rows.shape + (1,)).astype(jnp.float32),
-                               v + jnp.arange(k - 1, dtype=jnp.float32)], axis=-1)
-        return out                                                      # [B, chunk, k]; col 0: chunk's first row
+        first = jnp.broadcast_to(rows[:, :1, None], rows.shape + (1,)).astype(jnp.float32)
+        return jnp.concatenate([first, v + jnp.arange(k - 1, dtype=jnp.float32)], axis=-1)   # [B, chunk, k]
 
-    sides, afters = [], []
+    sides = []
 
     def beside(fn):
         def call(*args):
@@ -174,23 +180,29 @@ def test_overlapped_chunks_give_the_rows_of_one_pass(rng, group):
             return fn(*args)
         return call
 
-    def after(xs_rows, out):
-        afters.append(1)
+    def wait_for(xs_rows, out):
         xs, rows = xs_rows
         paired = out[0, 0, 0].astype(jnp.int32) - (rows[0, 0] - 2 * chunk)   # 0 when out is chunk j - 2's
-        return xs, rows + paired
+        waited.append(rows + paired)
+        return xs, waited[-1]
 
     want = ref.map_query_rows(lambda xs, rows: consume((xs, rows), produce(xs, rows)), chunk, x, row)
+    produced.clear(), consumed.clear()
     got = jax.jit(lambda xs, rows: ref.map_query_rows_overlapped(produce, consume, chunk, xs, rows, beside=beside,
-                                                                 after=after, group_chunks=group))(x, row)
+                                                                 wait_for=wait_for, group_chunks=group))(x, row)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    n_chunks = -(-n // chunk)
     groups, rest = divmod(n_chunks, group)
-    traced = (group if groups else 0) + rest                                # a scan traces its step once
-    assert len(sides) == traced
-    assert len(afters) == (max(0, group - 2) if groups else 0) + max(0, rest - 2)
-    with pytest.raises(ValueError, match="group_chunks"):
-        ref.map_query_rows_overlapped(produce, consume, chunk, x, row, group_chunks=0)
+    traced = n_chunks if groups < 2 else group + rest                       # a scan traces its step once
+    assert len(produced) == len(consumed) == traced
+    assert len(sides) == (traced if n_chunks > 1 else 0)                    # one chunk: no side call
+    assert len(waited) == (max(0, n_chunks - 2) if groups < 2 else max(0, group - 2) + rest)
+    for w in waited:                                                        # the waited-for inputs are the ones used
+        assert any(p is w for p in produced) and any(c is w for c in consumed)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="group_chunks"):
+            ref.map_query_rows_overlapped(produce, consume, chunk, x, row, group_chunks=bad)
+        with pytest.raises(ValueError, match="chunk"):
+            ref.map_query_rows_overlapped(produce, consume, bad, x, row)
 
 
 def test_beside_puts_the_call_on_the_side_stream(rng):
@@ -206,6 +218,9 @@ def test_beside_puts_the_call_on_the_side_stream(rng):
     assert len(annotated) == 1 and " call @" in annotated[0], annotated
     assert f'_xla_stream_annotation = "{_call.SIDE_STREAM}"' in annotated[0] and 'inlineable = "false"' in annotated[0]
     np.testing.assert_allclose(np.asarray(jax.jit(f)(x)), np.sin(x) * 2.0 + np.cos(x) + x, rtol=1e-6)
+    with pytest.raises(ValueError, match="passed through"):
+        jax.jit(lambda a: _call.beside(lambda v, u: (v * 2.0, u))(a, a))(x)
+
 
 def test_topk_scratch_width_is_the_next_power_of_two():
     for k, kp in ((1, 1), (2, 2), (3, 4), (512, 512), (513, 1024), (2048, 2048)):

@@ -217,10 +217,20 @@ def beside(fn):
     inlining, so XLA's GPU compiler wraps it in an async call-start / call-done pair:
     its kernels run beside what the main stream runs between the two. Only the outer
     call is annotated (an annotation on the ops inside it would nest async calls, which
-    XLA rejects). Off the GPU the annotation is ignored and fn runs in order. fn's
-    results must be computed by fn (not its arguments passed through)."""
+    XLA rejects). Off the GPU the annotation is ignored and fn runs in order. fn must
+    compute each of its results: an argument passed through would carry the annotation
+    to the op that made it, so it is refused."""
     from jax.experimental.xla_metadata import set_xla_metadata
-    jitted = jax.jit(fn)
+
+    def checked(*args):
+        out = fn(*args)
+        given = {id(leaf) for leaf in jax.tree_util.tree_leaves(args)}
+        if any(id(leaf) in given for leaf in jax.tree_util.tree_leaves(out)):
+            raise ValueError(f"beside({getattr(fn, '__name__', fn)!r}): a result is one of the arguments "
+                             f"passed through; the side-stream call must compute each of its results")
+        return out
+
+    jitted = jax.jit(checked)
 
     @functools.wraps(fn)
     def call(*args):
