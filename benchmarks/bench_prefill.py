@@ -186,7 +186,7 @@ def bench_overlap(cfg, tokens, mm, rounds=5):
     k = cfg.topk_pools
     whole = workspace.DEFAULT_WORKSPACE_BYTES
     rows = {live: workspace.rows_per_chunk(tokens, n_cols, k, live_chunks=live) for live in (1, 2)}
-    if not workspace.overlap_prefill_chunks(tokens, rows[1]):
+    if not workspace.chunks_can_overlap(tokens, rows[1]):
         print(f"--overlap: a prefill of {tokens} tokens runs in one chunk of {rows[1]} rows, not overlapped")
         return []
     settings = [(f"one pass, {rows[1]} rows per chunk", dict(PREFILL_CHUNKS_OVERLAP=False)),

@@ -784,10 +784,11 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     Triton top-k: for prefill chunks one program per row (``topk_rows.DEFAULT``: the
     logits kernel also writes group maxima, and a row reads only the groups whose
     maximum reaches its floor; the register form stays off, slower through the whole
-    op), then the expansion kernel. A prefill of more rows than one chunk holds runs
-    its chunks overlapped (``workspace.overlap_prefill_chunks``): each chunk's top-k
-    is an asynchronous call on a second stream (``_call.beside``) beside the next
-    chunk's logits, and two chunks' workspaces share the bound. For decode rows (fewer
+    op), then the expansion kernel. With ``workspace.PREFILL_CHUNKS_OVERLAP`` on (off
+    by default), a prefill of more rows than one chunk holds runs its chunks
+    overlapped (``workspace.overlap_prefill_chunks``): each chunk's top-k is an
+    asynchronous call on a second stream (``_call.beside``) beside the next chunk's
+    logits, and two chunks' workspaces share the bound. For decode rows (fewer
     than TC_MIN_ROWS per request) the split top-k, whose rank launch writes the token
     indices itself."""
     tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")

@@ -509,10 +509,11 @@ def test_bench_prefill_overlap_times_one_pass_and_the_overlapped_chunks(monkeypa
     n_cols = addr.pools_in_pages(layout.strides(0), table.shape[1])
     bound = 40 * workspace.chunk_row_bytes(n_cols, cfg.topk_pools)
     monkeypatch.setattr(workspace, "DEFAULT_WORKSPACE_BYTES", bound)
+    switch = workspace.PREFILL_CHUNKS_OVERLAP
     out = bp.bench_overlap(cfg, tokens, 1e12, rounds=1)
     assert [r["impl"].split(", temp")[0] for r in out] == [
         "one pass, 40 rows per chunk", "one pass, 20 rows per chunk (half the bound)", "overlapped, 20 rows per chunk"]
     assert all(r["kind"] == "overlap" and r["ms"] > 0 and r["x_matmul"] > 0 for r in out)
     n_chunks = -(-tokens // 20)                                  # 26: 3 scan steps of 8 (traced once), 2 unrolled
     assert sides == [20] * (ref.OVERLAP_GROUP_CHUNKS + n_chunks % ref.OVERLAP_GROUP_CHUNKS)
-    assert workspace.DEFAULT_WORKSPACE_BYTES == bound and workspace.PREFILL_CHUNKS_OVERLAP is True
+    assert workspace.DEFAULT_WORKSPACE_BYTES == bound and workspace.PREFILL_CHUNKS_OVERLAP is switch

@@ -139,11 +139,12 @@ def test_rows_per_chunk_holds_the_live_chunks_within_the_bound(rng, monkeypatch)
         with pytest.raises(ValueError, match="live_chunks"):
             workspace.rows_per_chunk(10, 1000, 512, 1, 1 << 30, live_chunks=bad)
     # overlapped only when the rows take more than one chunk of at least 2 rows, and the switch is on
-    assert workspace.overlap_prefill_chunks(32768, 11070)
-    assert not workspace.overlap_prefill_chunks(32768, 32768)
-    assert not workspace.overlap_prefill_chunks(32768, 1)
-    monkeypatch.setattr(workspace, "PREFILL_CHUNKS_OVERLAP", False)
-    assert not workspace.overlap_prefill_chunks(32768, 11070)
+    assert workspace.chunks_can_overlap(32768, 11070)
+    assert not workspace.chunks_can_overlap(32768, 32768) and not workspace.chunks_can_overlap(32768, 1)
+    for on in (True, False):
+        monkeypatch.setattr(workspace, "PREFILL_CHUNKS_OVERLAP", on)
+        assert workspace.overlap_prefill_chunks(32768, 11070) == on
+        assert not workspace.overlap_prefill_chunks(32768, 32768) and not workspace.overlap_prefill_chunks(32768, 1)
 
 
 @pytest.mark.parametrize("n_chunks, group", [(5, 8), (11, 8), (16, 8), (17, 8), (26, 8), (9, 3), (7, 1), (1, 4)])
@@ -1129,7 +1130,7 @@ def test_tc_select_tokens_in_chunks_equals_the_row_topk_alone(rng, monkeypatch, 
     q8, w = queries(key, 1, tokens, heads)
     n_cols = addr.pools_in_pages(s, table.shape[1])
     rows = workspace.rows_per_chunk(tokens, n_cols, k)
-    assert rows < tokens and workspace.overlap_prefill_chunks(tokens, rows)    # chunks, overlapped by default
+    assert workspace.chunks_can_overlap(tokens, rows)                  # chunks, so the loops run
     logits = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True,
                                                             tune=tcl.PREFILL))
     alone = []

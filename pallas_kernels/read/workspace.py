@@ -28,7 +28,7 @@ MIN_SAMPLE_RANK = 64                   # the least rank in its sample a guess is
 SAMPLE_TARGET_PER_K = 2                # scores per k the dense top-k's guess aims to let through
 DENSE_CANDIDATES_PER_KP = 4            # candidates per padded k the dense top-k's select holds
 REGISTER_ROW_POOLS = 4096              # the longest row the row top-k reads into registers (topk_rows.Tuning)
-PREFILL_CHUNKS_OVERLAP = True          # a prefill chunk's top-k runs beside the next chunk's logits (docs/benchmarks.md)
+PREFILL_CHUNKS_OVERLAP = False         # a prefill chunk's top-k beside the next chunk's logits: off, not timed on a GPU
 DENSE_MANY_ROWS = 256                  # rows from which rows of <= 2 REGISTER_ROW_POOLS take one program each
 
 
@@ -200,14 +200,20 @@ def rows_per_chunk(n_rows: int, n_cols_pools: int, k: int, batch: int = 1,
     return max(1, min(n_rows, ws // per_row))
 
 
-def overlap_prefill_chunks(n_rows: int, rows_one_pass: int) -> bool:
-    """Whether a prefill's chunks run overlapped (``reference.map_query_rows_overlapped``:
-    a chunk's top-k beside the next chunk's logits, two chunks' workspaces alive, so
-    half the rows per chunk): when PREFILL_CHUNKS_OVERLAP is on and the rows take more
-    than one chunk of `rows_one_pass` rows (the chunk of one live workspace), which
-    holds at least 2 rows (so that half of it holds one)."""
-    return PREFILL_CHUNKS_OVERLAP and 2 <= rows_one_pass < n_rows
+def chunks_can_overlap(n_rows: int, rows_one_pass: int) -> bool:
+    """Whether a prefill of n_rows query rows can run its chunks overlapped
+    (``reference.map_query_rows_overlapped``: a chunk's top-k beside the next chunk's
+    logits, two chunks' workspaces alive, so half the rows per chunk): when the rows
+    take more than one chunk of `rows_one_pass` rows (the chunk of one live
+    workspace), which holds at least 2 rows (so that half of it holds one)."""
+    return 2 <= rows_one_pass < n_rows
 
+
+def overlap_prefill_chunks(n_rows: int, rows_one_pass: int) -> bool:
+    """Whether ``select_tokens(implementation="triton")`` runs a prefill's chunks
+    overlapped: when PREFILL_CHUNKS_OVERLAP is on and ``chunks_can_overlap``.
+    ``bench_prefill.py --overlap`` times both ways."""
+    return PREFILL_CHUNKS_OVERLAP and chunks_can_overlap(n_rows, rows_one_pass)
 
 def check_workspace_bytes(workspace_bytes) -> None:
     if not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool) or workspace_bytes < 1:
