@@ -406,6 +406,25 @@ def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsy
         np.testing.assert_array_equal(np.asarray(ctx[0]), (np.arange(lo, lo + rows) + 1) // cfg.kpool)
 
 
+def stand_in_prefill_path(monkeypatch, bp, paged_logits, prefill_tuning, maxima: bool):
+    """select_tokens' Triton prefill frame on the CPU for bench_prefill.py: the logits
+    module a stand-in with `paged_logits` and PREFILL = prefill_tuning, the row top-k
+    the reference's (taking maxima iff `maxima`), the expansion the reference's, and
+    `wall` one call. Returns the logits stand-in."""
+    import types
+
+    from glm5_jax import ops
+    from glm5_jax import reference as ref
+    logits = types.SimpleNamespace(PREFILL=prefill_tuning, paged_logits=paged_logits)
+    rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: maxima,
+                                 topk_pools=lambda a, l, k, m=None, tune=None: ref.topk_pools(a, l, k))
+    stand_in_triton_modules(monkeypatch, prefill_logits=logits, topk_rows=rows, split_topk=types.SimpleNamespace())
+    monkeypatch.setattr(ops._triton, "require", lambda op: None)
+    monkeypatch.setattr(ops._expand, "expand_pools", lambda ids, seq, r, interpret=None: ref.expand_pools(ids, seq, r))
+    monkeypatch.setattr(bp, "wall", lambda f, *a, trials=3: float(jax.block_until_ready(f(*a)) is not None) * 1e-3)
+    return logits
+
+
 @pytest.mark.parametrize("maxima", [True, False])
 def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypatch, maxima):
     """bench_prefill.py --logits-pages: select_tokens' prefill chunks launch the logits
@@ -417,11 +436,8 @@ def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypat
     stand-ins here (logits of the kernel's shapes, the reference's top-k), so the CPU
     runs ops' Triton frame."""
     import dataclasses
-    import types
 
     import bench_prefill as bp
-    from glm5_jax import ops
-    from glm5_jax import reference as ref
     from glm5_jax.config import IndexerConfig
     from pallas_kernels.read import workspace
 
@@ -438,13 +454,7 @@ def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypat
         lg = jnp.broadcast_to(-cols if tune.pages in differ else cols, ctx.shape + (n,))
         return (lg, jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32)) if maxima else lg
 
-    logits = types.SimpleNamespace(PREFILL=Tuning(), paged_logits=paged_logits)
-    rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: maxima,
-                                 topk_pools=lambda a, l, k, m=None, tune=None: ref.topk_pools(a, l, k))
-    stand_in_triton_modules(monkeypatch, prefill_logits=logits, topk_rows=rows, split_topk=types.SimpleNamespace())
-    monkeypatch.setattr(ops._triton, "require", lambda op: None)
-    monkeypatch.setattr(ops._expand, "expand_pools", lambda ids, seq, r, interpret=None: ref.expand_pools(ids, seq, r))
-    monkeypatch.setattr(bp, "wall", lambda f, *a, trials=3: float(jax.block_until_ready(f(*a)) is not None) * 1e-3)
+    logits = stand_in_prefill_path(monkeypatch, bp, paged_logits, Tuning(), maxima)
     out = bp.bench_logits_pages(IndexerConfig(), 256, 1e12, [64, 128])
     # select_tokens (one chunk) per value, then the first chunk's and the last chunk's calls
     assert seen == [(64, maxima), (128, maxima)] * 3
@@ -473,8 +483,6 @@ def test_bench_prefill_overlap_times_one_pass_and_the_overlapped_chunks(monkeypa
     after. The Triton modules are stand-ins (logits of the kernel's shapes, the
     reference's top-k) and the bound small enough for a few dozen chunks, so the CPU
     runs ops' Triton frame and the overlapped loop."""
-    import types
-
     import bench_prefill as bp
     from glm5_jax import ops
     from glm5_jax import reference as ref
@@ -488,13 +496,7 @@ def test_bench_prefill_overlap_times_one_pass_and_the_overlapped_chunks(monkeypa
         lg = jnp.broadcast_to(lg, ctx.shape + (n,))
         return (lg, jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32)) if maxima else lg
 
-    logits = types.SimpleNamespace(PREFILL=None, paged_logits=paged_logits)
-    rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: True,
-                                 topk_pools=lambda a, l, k, m=None, tune=None: ref.topk_pools(a, l, k))
-    stand_in_triton_modules(monkeypatch, prefill_logits=logits, topk_rows=rows, split_topk=types.SimpleNamespace())
-    monkeypatch.setattr(ops._triton, "require", lambda op: None)
-    monkeypatch.setattr(ops._expand, "expand_pools", lambda ids, seq, r, interpret=None: ref.expand_pools(ids, seq, r))
-    monkeypatch.setattr(bp, "wall", lambda f, *a, trials=3: float(jax.block_until_ready(f(*a)) is not None) * 1e-3)
+    stand_in_prefill_path(monkeypatch, bp, paged_logits, None, True)
     sides = []
 
     def beside(fn):
