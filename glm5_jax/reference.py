@@ -513,6 +513,7 @@ def map_query_rows_overlapped(produce, consume, chunk: int, *arrays, beside=None
     out = out.reshape((out.shape[0], n_chunks * chunk) + out.shape[3:])
     return out[:, :n]
 
+
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,
                           topk_tokens: int, short_context=None, budget_bytes: int | None = None):
     """The whole read path of one indexer layer for a batch (docs/semantics.md 1.3, appendix C).

@@ -215,6 +215,7 @@ def overlap_prefill_chunks(n_rows: int, rows_one_pass: int) -> bool:
     ``bench_prefill.py --overlap`` times both ways."""
     return PREFILL_CHUNKS_OVERLAP and chunks_can_overlap(n_rows, rows_one_pass)
 
+
 def check_workspace_bytes(workspace_bytes) -> None:
     if not isinstance(workspace_bytes, int) or isinstance(workspace_bytes, bool) or workspace_bytes < 1:
         raise ValueError(f"workspace_bytes must be a positive int (bytes), got {workspace_bytes!r}")
