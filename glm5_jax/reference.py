@@ -440,17 +440,25 @@ def map_query_rows(fn, chunk: int, *arrays):
     if chunk >= n:
         return fn(*arrays)
     n_chunks = -(-n // chunk)
-    pad = n_chunks * chunk - n
 
-    def split(a, fill):
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+    def split(a):
         a = a.reshape((a.shape[0], n_chunks, chunk) + a.shape[2:])
         return jnp.moveaxis(a, 1, 0)
 
-    fills = [(-1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays]
-    out = _lax.map(lambda xs: fn(*xs), tuple(split(a, f) for a, f in zip(arrays, fills)))
+    out = _lax.map(lambda xs: fn(*xs), tuple(split(a) for a in _pad_rows(arrays, n_chunks * chunk)))
+    return _join_chunks(out, n)
+
+
+def _pad_rows(arrays, rows: int) -> list:
+    """[B, n, ...] arrays padded along axis 1 to `rows`: -1 in integer arrays, 0 in others."""
+    return [jnp.pad(a, [(0, 0), (0, rows - a.shape[1])] + [(0, 0)] * (a.ndim - 2),
+                    constant_values=-1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays]
+
+
+def _join_chunks(out, n: int):
+    """[n_chunks, B, chunk, ...] results -> [B, n, ...]: the chunks in row order, padding dropped."""
     out = jnp.moveaxis(out, 0, 1)                                  # [B, n_chunks, chunk, ...]
-    out = out.reshape((out.shape[0], n_chunks * chunk) + out.shape[3:])
+    out = out.reshape((out.shape[0], out.shape[1] * out.shape[2]) + out.shape[3:])
     return out[:, :n]
 
 
@@ -482,10 +490,7 @@ def map_query_rows_overlapped(produce, consume, chunk: int, *arrays, beside=None
         return consume(arrays, produce(*arrays))
     side = consume if beside is None else beside(consume)
     n_chunks = -(-n // chunk)
-    pad = n_chunks * chunk - n
-    fills = [(-1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays]
-    padded = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=f)
-              for a, f in zip(arrays, fills)]
+    padded = _pad_rows(arrays, n_chunks * chunk)
 
     def run(first_chunk, count, before=()):
         """Chunks first_chunk .. first_chunk + count - 1 (first_chunk may be traced), the
@@ -509,9 +514,7 @@ def map_query_rows_overlapped(produce, consume, chunk: int, *arrays, beside=None
         out = ys.reshape((n_groups * group_chunks,) + ys.shape[2:])
         if rest:
             out = jnp.concatenate([out, run(n_groups * group_chunks, rest, (out[-2], out[-1]))])
-    out = jnp.moveaxis(out, 0, 1)
-    out = out.reshape((out.shape[0], n_chunks * chunk) + out.shape[3:])
-    return out[:, :n]
+    return _join_chunks(out, n)
 
 
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,
