@@ -14,9 +14,6 @@
     or placed by histograms): the whole select_tokens per shape, and on the longest
     chunk of each prefill the logits kernel with and without its group maxima and the
     row top-k alone (ids checked equal).
-  * with --overlap, a prefill's chunks in one pass (at the whole workspace bound and
-    at half of it) and overlapped (each chunk's top-k beside the next chunk's logits,
-    on a second stream): the whole select_tokens, ids checked equal, interleaved.
   * with --logits-pages P ..., the prefill logits kernel's page-table columns per
     program: the whole select_tokens per value (ids checked equal) and the logits
     kernel on the first and last chunk, all timed interleaved, three rounds.
@@ -147,65 +144,24 @@ def shapes():
 
 def select_tokens_per_setting(module, name, settings, layout, args):
     """[(label, f)]: select_tokens on the Triton path, compiled once per (label, value)
-    of `settings` with ``module.<name>`` set to the value (with name None, the value is
-    a dict {attribute: value} of ``module``'s attributes to set), read when
-    select_tokens is traced and restored after, so f keeps the values it was compiled
+    of `settings` with ``module.<name>`` set to the value (the attribute is read when
+    select_tokens is traced; restored after), so f keeps the value it was compiled
     with; their ids checked equal to the first entry's. args: (cache, q8, w, table,
     positions)."""
-    first, fns = None, []
-    for label, value in settings:
-        attrs = value if name is None else {name: value}
-        saved = {a: getattr(module, a) for a in attrs}
-        try:
-            for a, v in attrs.items():
-                setattr(module, a, v)
+    default, first, fns = getattr(module, name), None, []
+    try:
+        for label, value in settings:
+            setattr(module, name, value)
             f = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
                                                                   implementation="triton")).lower(*args).compile()
-        finally:
-            for a, v in saved.items():
-                setattr(module, a, v)
-        got = np.asarray(f(*args))
-        if first is not None and not np.array_equal(got, first[1]):
-            raise AssertionError(f"select_tokens with {label if name is None else f'{name} = {label}'} "
-                                 f"differs from {first[0]}")
-        first = (label, got) if first is None else first
-        fns.append((label, f))
+            got = np.asarray(f(*args))
+            if first is not None and not np.array_equal(got, first[1]):
+                raise AssertionError(f"select_tokens with {name} = {label} differs from {first[0]}")
+            first = (label, got) if first is None else first
+            fns.append((label, f))
+    finally:
+        setattr(module, name, default)
     return fns
-
-
-def bench_overlap(cfg, tokens, mm, rounds=5):
-    """A prefill's chunks in one pass (the chunk of the whole workspace bound, and of
-    half of it: the overlapped path's rows per chunk) and overlapped (each chunk's
-    top-k on the side stream beside the next chunk's logits): the whole select_tokens,
-    ids equal, timed interleaved over `rounds` rounds."""
-    layout, cache, table, key, heads = read_case(cfg, 1, tokens)
-    q8, w = queries(key, 1, tokens, heads)
-    pos = jnp.arange(tokens, dtype=jnp.int32)[None, :]
-    flops = 2.0 * 32 * 128 * float(np.sum((np.arange(tokens) + 1) // cfg.kpool))
-    n_cols = addr.pools_in_pages(layout.strides(0), table.shape[1])
-    k = cfg.topk_pools
-    whole = workspace.DEFAULT_WORKSPACE_BYTES
-    rows = {live: workspace.rows_per_chunk(tokens, n_cols, k, live_chunks=live) for live in (1, 2)}
-    if not workspace.chunks_can_overlap(tokens, rows[1]):
-        print(f"--overlap: a prefill of {tokens} tokens runs in one chunk of {rows[1]} rows, not overlapped")
-        return []
-    settings = [(f"one pass, {rows[1]} rows per chunk", dict(PREFILL_CHUNKS_OVERLAP=False)),
-                (f"one pass, {rows[2]} rows per chunk (half the bound)",
-                 dict(PREFILL_CHUNKS_OVERLAP=False, DEFAULT_WORKSPACE_BYTES=whole // 2)),
-                (f"overlapped, {rows[2]} rows per chunk", dict(PREFILL_CHUNKS_OVERLAP=True))]
-    args = (cache, q8, w, table, pos)
-    calls = select_tokens_per_setting(workspace, None, settings, layout, args)
-    times = {label: [] for label, _ in calls}
-    for _ in range(rounds):
-        for label, f in calls:
-            times[label].append(wall(f, *args))
-    out = []
-    for label, f in calls:
-        t = float(np.median(times[label]))
-        temp = f.memory_analysis().temp_size_in_bytes
-        out.append(dict(kind="overlap", case=f"1 x {tokens // 1024}k", impl=f"{label}, temp {temp / 2**20:.0f} MiB",
-                        ms=t * 1e3, tflops=flops / t / 1e12, x_matmul=flops / t / mm))
-    return out
 
 
 def bench_shapes(cfg, tokens, mm):
@@ -357,8 +313,6 @@ def main(argv=None):
     ap.add_argument("--logits-pages", type=int, nargs="+", metavar="PAGES",
                     help="the prefill logits' page-table columns per program to compare, powers of two "
                          "from 2 (GPU; e.g. 64 128 256)")
-    ap.add_argument("--overlap", action="store_true",
-                    help="a prefill's chunks in one pass and overlapped (top-k on a side stream), GPU")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.logits_pages and (len(set(a.logits_pages)) != len(a.logits_pages)
@@ -389,9 +343,6 @@ def main(argv=None):
     if a.shapes and not a.quick:
         for tokens in prefills:
             out += bench_shapes(cfg, tokens, mm)
-    if a.overlap and not a.quick:
-        for tokens in prefills:
-            out += bench_overlap(cfg, tokens, mm)
     if a.logits_pages and not a.quick:
         for tokens in prefills:
             out += bench_logits_pages(cfg, tokens, mm, a.logits_pages)

@@ -784,11 +784,7 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     Triton top-k: for prefill chunks one program per row (``topk_rows.DEFAULT``: the
     logits kernel also writes group maxima, and a row reads only the groups whose
     maximum reaches its floor; the register form stays off, slower through the whole
-    op), then the expansion kernel. With ``workspace.PREFILL_CHUNKS_OVERLAP`` on (off
-    by default), a prefill of more rows than one chunk holds runs its chunks
-    overlapped (``workspace.overlap_prefill_chunks``): each chunk's top-k is an
-    asynchronous call on a second stream (``_call.beside``) beside the next chunk's
-    logits, and two chunks' workspaces share the bound. For decode rows (fewer
+    op), then the expansion kernel; for decode rows (fewer
     than TC_MIN_ROWS per request) the split top-k, whose rank launch writes the token
     indices itself."""
     tc_logits = importlib.import_module("pallas_kernels.triton_lang.prefill_logits")
@@ -798,38 +794,25 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
     r = s.kpool
     n_cols = addr.pools_in_pages(s, page_table_pages.shape[1])
 
-    def chunk_of(k, tokens_per_row=0, live_chunks=1):
+    def chunk_of(k, tokens_per_row=0):
         return _workspace.rows_per_chunk(n, n_cols, k, batch=b, workspace_bytes=workspace_bytes,
-                                         tokens_per_row=tokens_per_row, live_chunks=live_chunks)
-
-    tune = tc_topk.DEFAULT
-    maxima = tc_topk.needs_maxima(n_cols, tune)                # else every row fits the register form
-
-    def scores(q, w, cx):                                      # [B, chunk] rows -> logits (and group maxima)
-        return tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=maxima,
-                                      tune=tc_logits.PREFILL)
-
-    def pick(k):
-        def rows(xs, sc):                                      # a chunk's scores -> [B, chunk, k] pool ids
-            _, _, cx = xs
-            bb, cn = cx.shape
-            lg, mx = sc if maxima else (sc, None)
-            ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k,
-                                     None if mx is None else mx.reshape(bb * cn, -1), tune=tune)
-            return ids.reshape(bb, cn, k)
-        return rows
-
-    def wait_for(xs, ids):                                     # the contexts read only once `ids` exist
-        q, w, cx = xs
-        return q, w, cx + (ids[0, 0, 0] < -1).astype(cx.dtype)    # ids >= -1: adds 0
+                                         tokens_per_row=tokens_per_row)
 
     def pool_ids(ctx, k):                                      # prefill chunks: one program per row
-        one_pass = chunk_of(k)
-        if _workspace.overlap_prefill_chunks(n, one_pass):
-            return ref.map_query_rows_overlapped(scores, pick(k), chunk_of(k, live_chunks=2), q8, weights, ctx,
-                                                 beside=_triton.beside, wait_for=wait_for)
-        return ref.map_query_rows(lambda q, w, cx: pick(k)((q, w, cx), scores(q, w, cx)), one_pass,
-                                  q8, weights, ctx)
+        def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids
+            bb, cn = cx.shape
+            tune = tc_topk.DEFAULT
+            if not tc_topk.needs_maxima(n_cols, tune):         # every row fits the register form
+                lg = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, tune=tc_logits.PREFILL)
+                ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, tune=tune)
+            else:
+                lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True,
+                                                tune=tc_logits.PREFILL)
+                ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, mx.reshape(bb * cn, -1),
+                                         tune=tune)
+            return ids.reshape(bb, cn, k)
+
+        return ref.map_query_rows(rows, chunk_of(k), q8, weights, ctx)
 
     def token_ids(pos, k):                                     # decode rows: the split top-k, expanded
         if n >= TC_MIN_ROWS:

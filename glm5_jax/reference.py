@@ -440,81 +440,18 @@ def map_query_rows(fn, chunk: int, *arrays):
     if chunk >= n:
         return fn(*arrays)
     n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
 
-    def split(a):
+    def split(a, fill):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
         a = a.reshape((a.shape[0], n_chunks, chunk) + a.shape[2:])
         return jnp.moveaxis(a, 1, 0)
 
-    out = _lax.map(lambda xs: fn(*xs), tuple(split(a) for a in _pad_rows(arrays, n_chunks * chunk)))
-    return _join_chunks(out, n)
-
-
-def _pad_rows(arrays, rows: int) -> list:
-    """[B, n, ...] arrays padded along axis 1 to `rows`: -1 in integer arrays, 0 in others."""
-    return [jnp.pad(a, [(0, 0), (0, rows - a.shape[1])] + [(0, 0)] * (a.ndim - 2),
-                    constant_values=-1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays]
-
-
-def _join_chunks(out, n: int):
-    """[n_chunks, B, chunk, ...] results -> [B, n, ...]: the chunks in row order, padding dropped."""
+    fills = [(-1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays]
+    out = _lax.map(lambda xs: fn(*xs), tuple(split(a, f) for a, f in zip(arrays, fills)))
     out = jnp.moveaxis(out, 0, 1)                                  # [B, n_chunks, chunk, ...]
-    out = out.reshape((out.shape[0], out.shape[1] * out.shape[2]) + out.shape[3:])
+    out = out.reshape((out.shape[0], n_chunks * chunk) + out.shape[3:])
     return out[:, :n]
-
-
-OVERLAP_GROUP_CHUNKS = 8      # chunks per loop step of map_query_rows_overlapped
-
-
-def map_query_rows_overlapped(produce, consume, chunk: int, *arrays, beside=None, wait_for=None,
-                              group_chunks: int = OVERLAP_GROUP_CHUNKS):
-    """map_query_rows of ``consume(xs, produce(*xs))`` with chunk j's consume free to run
-    beside chunk j + 1's produce.
-
-    xs are the [B, chunk, ...] slices of `arrays` (padded as map_query_rows pads);
-    produce(*xs) returns a chunk's intermediate (any pytree), consume(xs, mid) its
-    [B, chunk, ...] result. ``beside(consume)`` (default: consume itself) is how
-    consume is called, e.g. as an asynchronous call on a second stream. So that at
-    most two intermediates are alive at once, chunk j's produce and consume take
-    ``wait_for(xs_j, out_{j-2})`` for xs_j (default: xs_j as they are), which the
-    caller makes depend on chunk j - 2's result. Up to 2 * group_chunks - 1 chunks run
-    unrolled; more run in loop steps of `group_chunks` (one lax.scan, nothing carried:
-    every step writes its own slice of the result, and a step ends when its last
-    consume has), the leftover chunks unrolled after the loop and waiting for its last
-    two results.
-    """
-    for name, v in (("chunk", chunk), ("group_chunks", group_chunks)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    n = arrays[0].shape[1]
-    if chunk >= n:
-        return consume(arrays, produce(*arrays))
-    side = consume if beside is None else beside(consume)
-    n_chunks = -(-n // chunk)
-    padded = _pad_rows(arrays, n_chunks * chunk)
-
-    def run(first_chunk, count, before=()):
-        """Chunks first_chunk .. first_chunk + count - 1 (first_chunk may be traced), the
-        results of the (up to two) chunks just before them in `before`: their results
-        stacked, [count, B, chunk, ...]."""
-        outs = list(before)
-        for j in range(count):
-            start = first_chunk * chunk + j * chunk
-            xs = tuple(_lax.dynamic_slice_in_dim(a, start, chunk, axis=1) for a in padded)
-            if wait_for is not None and len(outs) >= 2:
-                xs = wait_for(xs, outs[-2])
-            outs.append(side(xs, produce(*xs)))
-        return jnp.stack(outs[len(before):])
-
-    n_groups, rest = divmod(n_chunks, group_chunks)
-    if n_groups < 2:
-        out = run(0, n_chunks)                                         # [n_chunks, B, chunk, ...]
-    else:
-        _, ys = _lax.scan(lambda c, g: (c, run(g * group_chunks, group_chunks)), 0,
-                          jnp.arange(n_groups, dtype=jnp.int32))
-        out = ys.reshape((n_groups * group_chunks,) + ys.shape[2:])
-        if rest:
-            out = jnp.concatenate([out, run(n_groups * group_chunks, rest, (out[-2], out[-1]))])
-    return _join_chunks(out, n)
 
 
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,

@@ -406,25 +406,6 @@ def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsy
         np.testing.assert_array_equal(np.asarray(ctx[0]), (np.arange(lo, lo + rows) + 1) // cfg.kpool)
 
 
-def stand_in_prefill_path(monkeypatch, bp, paged_logits, prefill_tuning, maxima: bool):
-    """select_tokens' Triton prefill frame on the CPU for bench_prefill.py: the logits
-    module a stand-in with `paged_logits` and PREFILL = prefill_tuning, the row top-k
-    the reference's (taking maxima iff `maxima`), the expansion the reference's, and
-    `wall` one call. Returns the logits stand-in."""
-    import types
-
-    from glm5_jax import ops
-    from glm5_jax import reference as ref
-    logits = types.SimpleNamespace(PREFILL=prefill_tuning, paged_logits=paged_logits)
-    rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: maxima,
-                                 topk_pools=lambda a, l, k, m=None, tune=None: ref.topk_pools(a, l, k))
-    stand_in_triton_modules(monkeypatch, prefill_logits=logits, topk_rows=rows, split_topk=types.SimpleNamespace())
-    monkeypatch.setattr(ops._triton, "require", lambda op: None)
-    monkeypatch.setattr(ops._expand, "expand_pools", lambda ids, seq, r, interpret=None: ref.expand_pools(ids, seq, r))
-    monkeypatch.setattr(bp, "wall", lambda f, *a, trials=3: float(jax.block_until_ready(f(*a)) is not None) * 1e-3)
-    return logits
-
-
 @pytest.mark.parametrize("maxima", [True, False])
 def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypatch, maxima):
     """bench_prefill.py --logits-pages: select_tokens' prefill chunks launch the logits
@@ -436,8 +417,11 @@ def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypat
     stand-ins here (logits of the kernel's shapes, the reference's top-k), so the CPU
     runs ops' Triton frame."""
     import dataclasses
+    import types
 
     import bench_prefill as bp
+    from glm5_jax import ops
+    from glm5_jax import reference as ref
     from glm5_jax.config import IndexerConfig
     from pallas_kernels.read import workspace
 
@@ -454,7 +438,13 @@ def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypat
         lg = jnp.broadcast_to(-cols if tune.pages in differ else cols, ctx.shape + (n,))
         return (lg, jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32)) if maxima else lg
 
-    logits = stand_in_prefill_path(monkeypatch, bp, paged_logits, Tuning(), maxima)
+    logits = types.SimpleNamespace(PREFILL=Tuning(), paged_logits=paged_logits)
+    rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: maxima,
+                                 topk_pools=lambda a, l, k, m=None, tune=None: ref.topk_pools(a, l, k))
+    stand_in_triton_modules(monkeypatch, prefill_logits=logits, topk_rows=rows, split_topk=types.SimpleNamespace())
+    monkeypatch.setattr(ops._triton, "require", lambda op: None)
+    monkeypatch.setattr(ops._expand, "expand_pools", lambda ids, seq, r, interpret=None: ref.expand_pools(ids, seq, r))
+    monkeypatch.setattr(bp, "wall", lambda f, *a, trials=3: float(jax.block_until_ready(f(*a)) is not None) * 1e-3)
     out = bp.bench_logits_pages(IndexerConfig(), 256, 1e12, [64, 128])
     # select_tokens (one chunk) per value, then the first chunk's and the last chunk's calls
     assert seen == [(64, maxima), (128, maxima)] * 3
@@ -474,48 +464,3 @@ def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypat
         bp.main(["--logits-pages", "64", "64"])
     with pytest.raises(SystemExit):
         bp.main(["--logits-pages", "48"])
-
-
-def test_bench_prefill_overlap_times_one_pass_and_the_overlapped_chunks(monkeypatch):
-    """bench_prefill.py --overlap: select_tokens compiled in one pass at the whole
-    workspace bound, at half of it, and overlapped (the side-stream calls made only
-    there, one per chunk of half the rows), ids equal, the module's switches restored
-    after. The Triton modules are stand-ins (logits of the kernel's shapes, the
-    reference's top-k) and the bound small enough for a few dozen chunks, so the CPU
-    runs ops' Triton frame and the overlapped loop."""
-    import bench_prefill as bp
-    from glm5_jax import ops
-    from glm5_jax import reference as ref
-    from glm5_jax.config import IndexerConfig
-    from pallas_kernels.core import addressing as addr
-    from pallas_kernels.read import workspace
-
-    def paged_logits(c, s, q, w, table, ctx, fill, maxima=False, tune=None):
-        n = table.shape[1] * s.page_rows
-        lg = jnp.sin(jnp.arange(n, dtype=jnp.float32)[None, None, :] * (1.0 + q[..., 0, :1].astype(jnp.float32)))
-        lg = jnp.broadcast_to(lg, ctx.shape + (n,))
-        return (lg, jnp.zeros(ctx.shape + (workspace.maxima_cols(n),), jnp.uint32)) if maxima else lg
-
-    stand_in_prefill_path(monkeypatch, bp, paged_logits, None, True)
-    sides = []
-
-    def beside(fn):
-        def call(*args):
-            sides.append(args[0][2].shape[1])                 # the chunk's rows
-            return fn(*args)
-        return call
-
-    monkeypatch.setattr(ops._triton, "beside", beside)
-    cfg, tokens = IndexerConfig(), 512
-    layout, _, table, _, _ = bp.read_case(cfg, 1, tokens)
-    n_cols = addr.pools_in_pages(layout.strides(0), table.shape[1])
-    bound = 40 * workspace.chunk_row_bytes(n_cols, cfg.topk_pools)
-    monkeypatch.setattr(workspace, "DEFAULT_WORKSPACE_BYTES", bound)
-    switch = workspace.PREFILL_CHUNKS_OVERLAP
-    out = bp.bench_overlap(cfg, tokens, 1e12, rounds=1)
-    assert [r["impl"].split(", temp")[0] for r in out] == [
-        "one pass, 40 rows per chunk", "one pass, 20 rows per chunk (half the bound)", "overlapped, 20 rows per chunk"]
-    assert all(r["kind"] == "overlap" and r["ms"] > 0 and r["x_matmul"] > 0 for r in out)
-    n_chunks = -(-tokens // 20)                                  # 26: 3 scan steps of 8 (traced once), 2 unrolled
-    assert sides == [20] * (ref.OVERLAP_GROUP_CHUNKS + n_chunks % ref.OVERLAP_GROUP_CHUNKS)
-    assert workspace.DEFAULT_WORKSPACE_BYTES == bound and workspace.PREFILL_CHUNKS_OVERLAP is switch

@@ -121,108 +121,6 @@ def test_rows_per_chunk_refuses_a_bound_below_one_row():
             workspace.rows_per_chunk(10, 1000, 512, 1, bad)
 
 
-def test_rows_per_chunk_holds_the_live_chunks_within_the_bound(rng, monkeypatch):
-    for _ in range(200):
-        n_rows = int(rng.integers(1, 1 << 21))
-        n_cols = int(rng.integers(1, 1 << 19))
-        k = int(rng.choice([1, 64, 512, 2048]))
-        live = int(rng.integers(1, 4))
-        per_row = workspace.chunk_row_bytes(n_cols, k)
-        ws = int(rng.integers(live * per_row, live * per_row * 5000))
-        c = workspace.rows_per_chunk(n_rows, n_cols, k, 1, ws, live_chunks=live)
-        assert 1 <= c <= n_rows and live * c * per_row <= ws
-        assert c == n_rows or live * (c + 1) * per_row > ws
-    per_row = workspace.chunk_row_bytes(1000, 512)
-    with pytest.raises(ValueError, match="does not hold one query row"):
-        workspace.rows_per_chunk(10, 1000, 512, 1, 2 * per_row - 1, live_chunks=2)
-    for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="live_chunks"):
-            workspace.rows_per_chunk(10, 1000, 512, 1, 1 << 30, live_chunks=bad)
-    # overlapped only when the rows take more than one chunk of at least 2 rows, and the switch is on
-    assert workspace.chunks_can_overlap(32768, 11070)
-    assert not workspace.chunks_can_overlap(32768, 32768) and not workspace.chunks_can_overlap(32768, 1)
-    for on in (True, False):
-        monkeypatch.setattr(workspace, "PREFILL_CHUNKS_OVERLAP", on)
-        assert workspace.overlap_prefill_chunks(32768, 11070) == on
-        assert not workspace.overlap_prefill_chunks(32768, 32768) and not workspace.overlap_prefill_chunks(32768, 1)
-
-
-@pytest.mark.parametrize("n_chunks, group", [(5, 8), (11, 8), (16, 8), (17, 8), (26, 8), (9, 3), (7, 1), (1, 4)])
-def test_overlapped_chunks_give_the_rows_of_one_pass(rng, n_chunks, group):
-    """map_query_rows_overlapped equals map_query_rows of consume(produce) for every
-    row, whether the chunks run unrolled or in scan steps with leftovers; it calls
-    consume once per traced chunk through `beside`, hands `wait_for` chunk j - 2's
-    result with chunk j's inputs (across the loop and its leftovers too: a wrong
-    pairing shifts the rows' values), and feeds wait_for's result, not the bare
-    slices, to produce and consume."""
-    b, k = 2, 5
-    chunk = int(rng.integers(3, 17))
-    n = chunk * (n_chunks - 1) + int(rng.integers(1, chunk + 1))           # n_chunks chunks, the last partial
-    x = jnp.asarray(rng.standard_normal((b, n, 4)), jnp.float32)
-    row = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))          # each row's own index
-    produced, consumed, waited = [], [], []
-
-    def produce(xs, rows):
-        produced.append(rows)
-        return {"s": xs * 2.0, "r": rows + 1}
-
-    def consume(xs_rows, mid):
-        xs, rows = xs_rows
-        consumed.append(rows)
-        v = mid["s"].sum(-1, keepdims=True) + mid["r"][..., None].astype(jnp.float32)
-        first = jnp.broadcast_to(rows[:, :1, None], rows.shape + (1,)).astype(jnp.float32)
-        return jnp.concatenate([first, v + jnp.arange(k - 1, dtype=jnp.float32)], axis=-1)   # [B, chunk, k]
-
-    sides = []
-
-    def beside(fn):
-        def call(*args):
-            sides.append(1)
-            return fn(*args)
-        return call
-
-    def wait_for(xs_rows, out):
-        xs, rows = xs_rows
-        paired = out[0, 0, 0].astype(jnp.int32) - (rows[0, 0] - 2 * chunk)   # 0 when out is chunk j - 2's
-        waited.append(rows + paired)
-        return xs, waited[-1]
-
-    want = ref.map_query_rows(lambda xs, rows: consume((xs, rows), produce(xs, rows)), chunk, x, row)
-    produced.clear(), consumed.clear()
-    got = jax.jit(lambda xs, rows: ref.map_query_rows_overlapped(produce, consume, chunk, xs, rows, beside=beside,
-                                                                 wait_for=wait_for, group_chunks=group))(x, row)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    groups, rest = divmod(n_chunks, group)
-    traced = n_chunks if groups < 2 else group + rest                       # a scan traces its step once
-    assert len(produced) == len(consumed) == traced
-    assert len(sides) == (traced if n_chunks > 1 else 0)                    # one chunk: no side call
-    assert len(waited) == (max(0, n_chunks - 2) if groups < 2 else max(0, group - 2) + rest)
-    for w in waited:                                                        # the waited-for inputs are the ones used
-        assert any(p is w for p in produced) and any(c is w for c in consumed)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="group_chunks"):
-            ref.map_query_rows_overlapped(produce, consume, chunk, x, row, group_chunks=bad)
-        with pytest.raises(ValueError, match="chunk"):
-            ref.map_query_rows_overlapped(produce, consume, bad, x, row)
-
-
-def test_beside_puts_the_call_on_the_side_stream(rng):
-    """beside(fn) lowers to one call op carrying XLA's stream annotation (the ops inside
-    it carry none) and gives fn's result."""
-    x = jnp.asarray(rng.standard_normal(64), jnp.float32)
-
-    def f(a):
-        return _call.beside(lambda v: jnp.sin(v) * 2.0 + jnp.cos(v))(a) + a
-
-    text = jax.jit(f).lower(x).as_text()
-    annotated = [line for line in text.splitlines() if "_xla_stream_annotation" in line]
-    assert len(annotated) == 1 and " call @" in annotated[0], annotated
-    assert f'_xla_stream_annotation = "{_call.SIDE_STREAM}"' in annotated[0] and 'inlineable = "false"' in annotated[0]
-    np.testing.assert_allclose(np.asarray(jax.jit(f)(x)), np.sin(x) * 2.0 + np.cos(x) + x, rtol=1e-6)
-    with pytest.raises(ValueError, match="passed through"):
-        jax.jit(lambda a: _call.beside(lambda v, u: (v * 2.0, u))(a, a))(x)
-
-
 def test_topk_scratch_width_is_the_next_power_of_two():
     for k, kp in ((1, 1), (2, 2), (3, 4), (512, 512), (513, 1024), (2048, 2048)):
         assert workspace.padded_k(k) == kp
@@ -1104,17 +1002,14 @@ def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_pools):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reg_pools, overlap", [(None, True), (None, False), (4096, True)])
-def test_tc_select_tokens_in_chunks_equals_the_row_topk_alone(rng, monkeypatch, reg_pools, overlap):
-    """A 32k-token prefill through select_tokens in its default chunks: every row's
-    pools are those the row top-k gives for that chunk's logits called alone without
-    the register form, itself the host reference's on each chunk's last (longest) row
-    and two random ones. With the chunks overlapped (six chunks of 5,535 rows, each
-    top-k an asynchronous call on the side stream: the compiled program has the calls,
-    copies no chunk's logits and takes at most 1.1x the temporary memory of one pass)
-    and in one pass (lax.map over three chunks of 11,070 rows); with the default row
-    top-k (no register form) and with the register form for rows of up to 4096 pools
-    (the walks for the rest: two launches merged by row)."""
+@pytest.mark.parametrize("reg_pools", [None, 4096])
+def test_tc_select_tokens_in_chunks_equals_the_row_topk_alone(rng, monkeypatch, reg_pools):
+    """A 32k-token prefill through select_tokens in its default chunks (lax.map over
+    three chunks of 11,070 rows): every row's pools are those the row top-k gives for
+    that chunk's logits called alone without the register form, itself the host
+    reference's on each chunk's last (longest) row and two random ones. With the
+    default (no register form) and with the register form for rows of up to 4096
+    pools (the walks for the rest: two launches merged by row)."""
     _require_triton()
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     from bench_read import queries, read_case
@@ -1128,9 +1023,8 @@ def test_tc_select_tokens_in_chunks_equals_the_row_topk_alone(rng, monkeypatch, 
     layout, cache, table, key, heads = read_case(cfg, 1, tokens, seed=int(rng.integers(1 << 30)))
     s = layout.strides(0)
     q8, w = queries(key, 1, tokens, heads)
-    n_cols = addr.pools_in_pages(s, table.shape[1])
-    rows = workspace.rows_per_chunk(tokens, n_cols, k)
-    assert workspace.chunks_can_overlap(tokens, rows)                  # chunks, so the loops run
+    rows = workspace.rows_per_chunk(tokens, addr.pools_in_pages(s, table.shape[1]), k)
+    assert rows < tokens                                           # chunks, so lax.map runs
     logits = jax.jit(lambda c, q_, w_, cx: tcl.paged_logits(c, s, q_, w_, table, cx, fill=False, maxima=True,
                                                             tune=tcl.PREFILL))
     alone = []
@@ -1145,22 +1039,8 @@ def test_tc_select_tokens_in_chunks_equals_the_row_topk_alone(rng, monkeypatch, 
         alone.append(ids)
     alone = np.concatenate(alone)
     pos = jnp.arange(tokens, dtype=jnp.int32)[None, :]
-    args = (cache, q8, w, table, pos)
-
-    def compiled(on):
-        monkeypatch.setattr(workspace, "PREFILL_CHUNKS_OVERLAP", on)
-        return jax.jit(lambda c, q, ww, t, p: ops.select_tokens(
-            c, layout, 0, q, ww, t, p, short_context=False, implementation="triton")).lower(*args).compile()
-
-    f = compiled(overlap)
-    text = f.as_text()
-    side = f'_xla_stream_annotation="{_call.SIDE_STREAM}"'
-    assert ("call-start" in text and side in text) == overlap
-    if overlap:
-        assert not re.search(rf"= f32\[1,\d+,{n_cols}\]\{{[^}}]*\}} copy\(", text)     # no chunk's logits copied
-        one_pass = compiled(False).memory_analysis().temp_size_in_bytes
-        assert f.memory_analysis().temp_size_in_bytes <= 1.1 * one_pass
-    got = np.asarray(f(*args))
+    got = np.asarray(jax.jit(lambda c, q, ww, t, p: ops.select_tokens(
+        c, layout, 0, q, ww, t, p, short_context=False, implementation="triton"))(cache, q8, w, table, pos))
     pools = got.reshape(tokens, -1)[:, 0:k * cfg.kpool:cfg.kpool] // cfg.kpool       # -1 stays -1
     np.testing.assert_array_equal(pools, alone)
 

@@ -28,7 +28,6 @@ MIN_SAMPLE_RANK = 64                   # the least rank in its sample a guess is
 SAMPLE_TARGET_PER_K = 2                # scores per k the dense top-k's guess aims to let through
 DENSE_CANDIDATES_PER_KP = 4            # candidates per padded k the dense top-k's select holds
 REGISTER_ROW_POOLS = 4096              # the longest row the row top-k reads into registers (topk_rows.Tuning)
-PREFILL_CHUNKS_OVERLAP = False         # a prefill chunk's top-k beside the next chunk's logits: off, not timed on a GPU
 DENSE_MANY_ROWS = 256                  # rows from which rows of <= 2 REGISTER_ROW_POOLS take one program each
 
 
@@ -184,36 +183,16 @@ def chunk_row_bytes(n_cols_pools: int, k: int, tokens_per_row: int = 0) -> int:
 
 
 def rows_per_chunk(n_rows: int, n_cols_pools: int, k: int, batch: int = 1,
-                   workspace_bytes: int | None = None, tokens_per_row: int = 0, live_chunks: int = 1) -> int:
-    """Query rows per chunk (per request) so that `live_chunks` chunks' workspaces at
-    once stay within `workspace_bytes` (default DEFAULT_WORKSPACE_BYTES); at least 1,
-    at most n_rows."""
+                   workspace_bytes: int | None = None, tokens_per_row: int = 0) -> int:
+    """Query rows per chunk (per request) so that a chunk's workspace stays within
+    `workspace_bytes` (default DEFAULT_WORKSPACE_BYTES); at least 1, at most n_rows."""
     ws = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     check_workspace_bytes(ws)
-    if not isinstance(live_chunks, int) or isinstance(live_chunks, bool) or live_chunks < 1:
-        raise ValueError(f"live_chunks must be an int >= 1, got {live_chunks!r}")
-    per_row = max(1, batch) * chunk_row_bytes(n_cols_pools, k, tokens_per_row) * live_chunks
+    per_row = max(1, batch) * chunk_row_bytes(n_cols_pools, k, tokens_per_row)
     if ws < per_row:
         raise ValueError(f"workspace_bytes={ws} does not hold one query row: a row of {batch} request(s) "
-                         f"over {n_cols_pools} pools with k = {k} takes {per_row // live_chunks} bytes "
-                         f"({live_chunks} chunk(s) alive at once)")
+                         f"over {n_cols_pools} pools with k = {k} takes {per_row} bytes")
     return max(1, min(n_rows, ws // per_row))
-
-
-def chunks_can_overlap(n_rows: int, rows_one_pass: int) -> bool:
-    """Whether a prefill of n_rows query rows can run its chunks overlapped
-    (``reference.map_query_rows_overlapped``: a chunk's top-k beside the next chunk's
-    logits, two chunks' workspaces alive, so half the rows per chunk): when the rows
-    take more than one chunk of `rows_one_pass` rows (the chunk of one live
-    workspace), which holds at least 2 rows (so that half of it holds one)."""
-    return 2 <= rows_one_pass < n_rows
-
-
-def overlap_prefill_chunks(n_rows: int, rows_one_pass: int) -> bool:
-    """Whether ``select_tokens(implementation="triton")`` runs a prefill's chunks
-    overlapped: when PREFILL_CHUNKS_OVERLAP is on and ``chunks_can_overlap``.
-    ``bench_prefill.py --overlap`` times both ways."""
-    return PREFILL_CHUNKS_OVERLAP and chunks_can_overlap(n_rows, rows_one_pass)
 
 
 def check_workspace_bytes(workspace_bytes) -> None:

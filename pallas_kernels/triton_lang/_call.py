@@ -205,34 +205,3 @@ def run_read(kernel, scalars: tuple, arrays: tuple, out_shape, *, grid: tuple, n
     return jt.triton_call(*scalars, *arrays, kernel=kernel, out_shape=out_shape, grid=grid,
                           input_output_aliases=input_output_aliases or {}, name=name, num_warps=num_warps,
                           num_stages=num_stages, **_target_kwargs(), **constexprs)
-
-
-SIDE_STREAM = "1"      # the XLA GPU execution stream `beside` puts a call on
-
-
-def beside(fn):
-    """fn, jitted, as one call that XLA runs asynchronously on stream SIDE_STREAM.
-
-    The call op of ``jax.jit(fn)`` carries XLA's stream annotation and is kept out of
-    inlining, so XLA's GPU compiler wraps it in an async call-start / call-done pair:
-    its kernels run beside what the main stream runs between the two. Only the outer
-    call is annotated (an annotation on the ops inside it would nest async calls, which
-    XLA rejects). Off the GPU the annotation is ignored and fn runs in order. fn must
-    compute each of its results: an argument passed through would carry the annotation
-    to the op that made it, so it is refused."""
-    from jax.experimental.xla_metadata import set_xla_metadata
-
-    def checked(*args):
-        out = fn(*args)
-        given = {id(leaf) for leaf in jax.tree_util.tree_leaves(args)}
-        if any(id(leaf) in given for leaf in jax.tree_util.tree_leaves(out)):
-            raise ValueError(f"beside({getattr(fn, '__name__', fn)!r}): a result is one of the arguments "
-                             f"passed through; the side-stream call must compute each of its results")
-        return out
-
-    jitted = jax.jit(checked)
-
-    @functools.wraps(fn)
-    def call(*args):
-        return set_xla_metadata(jitted(*args), _xla_stream_annotation=SIDE_STREAM, inlineable="false")
-    return call
