@@ -11,7 +11,8 @@
   * with --mosaic, JAX's Mosaic GPU Hopper matmul example on the same product (f16);
   * with --shapes, the row top-k's shapes (with or without the register form for
     rows of up to 4096 pools; the maxima's floor taken from the maxima in registers,
-    or placed by histograms): the whole select_tokens per shape, and on the longest
+    or placed by histograms; 1, 2 or 8 warps per row program against the default 4):
+    the whole select_tokens per shape, and on the longest
     chunk of each prefill the logits kernel with and without its group maxima and the
     row top-k alone (ids checked equal).
   * with --logits-pages P ..., the prefill logits kernel's page-table columns per
@@ -139,7 +140,11 @@ def shapes():
     T = tct.Tuning
     return (("register form, floor from registers", T()),
             ("no register form, floor from registers (default)", T(reg_pools=0)),
-            ("no register form, floor from histograms", T(reg_pools=0, floor_maxima=0)))
+            ("no register form, floor from histograms", T(reg_pools=0, floor_maxima=0)),
+            ("no register form, 2 warps", T(reg_pools=0, num_warps=2)),
+            ("no register form, 2 warps, 256 per step", T(reg_pools=0, num_warps=2, block=256)),
+            ("no register form, 1 warp, 256 per step", T(reg_pools=0, num_warps=1, block=256)),
+            ("no register form, 8 warps", T(reg_pools=0, num_warps=8)))
 
 
 def select_tokens_per_setting(module, name, settings, layout, args):
