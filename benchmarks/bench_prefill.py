@@ -12,9 +12,9 @@
   * with --shapes, the row top-k's shapes (with or without the register form for
     rows of up to 4096 pools; the maxima's floor taken from the maxima in registers,
     or placed by histograms; 1, 2 or 8 warps per row program against the default 4):
-    the whole select_tokens per shape, and on the longest
-    chunk of each prefill the logits kernel with and without its group maxima and the
-    row top-k alone (ids checked equal).
+    the whole select_tokens per shape, and on the longest chunk of each prefill the
+    logits kernel with and without its group maxima and the row top-k alone (ids
+    checked equal).
   * with --logits-pages P ..., the prefill logits kernel's page-table columns per
     program: the whole select_tokens per value (ids checked equal) and the logits
     kernel on the first and last chunk, all timed interleaved, three rounds.
