@@ -1,4 +1,4 @@
-"""Developer check of the Triton write kernels WITHOUT a GPU (not run by CI).
+"""Developer check of the Triton kernels WITHOUT a GPU (not run by CI).
 
 Needs the `triton` package (3.6.0) in the environment, e.g. a throwaway venv:
     python3 -m venv --system-site-packages /tmp/tlvenv && /tmp/tlvenv/bin/pip install triton==3.6.0 absl-py
@@ -8,7 +8,8 @@ No torch: a small numpy-backed stand-in gives Triton's interpreter the pointers.
         Runs the kernels with TRITON_INTERPRET=1 on CPU (numpy) and compares bytes
         with glm5_jax.reference: the numerics helpers on random and edge values, the
         write-kernel cases of tests/write_cases.py, out-of-range slots, the padded
-        stride regression, and the vLLM vectors when present.
+        stride regression, the vLLM vectors when present, and the prefill row top-k's
+        ids against the reference's top-k (check_row_topk).
     PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py compile
         Compiles every kernel for sm_90 through jax_triton 0.3.1's own compile path
         (TTIR -> TTGIR -> LLIR -> PTX) and then ptxas (bundled with triton), and checks
@@ -100,8 +101,24 @@ def _patch_interpreter_index():
     ti._patch_lang_tensor = patched
 
 
+def _patch_interpreter_unsigned_ones():
+    """Triton 3.6's interpreter builds the all-ones operand of ``~x`` as np.full(1, -1,
+    dtype), which numpy >= 2.x refuses for unsigned dtypes (the top-k's uint32 order
+    keys); build it from the dtype's largest value instead."""
+    import triton.runtime.interpreter as ti
+    orig = ti.InterpreterBuilder.get_all_ones_value
+
+    def patched(self, type):
+        np_type = ti._get_np_dtype(type)
+        if np.issubdtype(np_type, np.unsignedinteger):
+            return ti.TensorHandle(np.full(1, np.iinfo(np_type).max, dtype=np_type), type.scalar)
+        return orig(self, type)
+    ti.InterpreterBuilder.get_all_ones_value = patched
+
+
 if MODE == "interpret":
     _patch_interpreter_index()
+    _patch_interpreter_unsigned_ones()
 
 
 def interpret(launch):
@@ -314,6 +331,55 @@ def _load_jax_triton_lib():
     return mod
 
 
+def check_row_topk(rng):
+    """The prefill row top-k (``topk_rows.topk_kernel``, one program per row) against
+    glm5_jax.reference.topk_pools: rows of random scores, a ReLU plateau of zeros and
+    heavy ties, lengths from 0 to the row, with group maxima (the floor from registers
+    and from histograms) and without, through the kernel's walks and its register
+    form. The interpreter runs every code path but not the GPU's layouts or races."""
+    from glm5_jax import reference as ref
+    from pallas_kernels.read import workspace
+    from pallas_kernels.triton_lang import topk_rows as tr
+    tunes = [("default", tr.DEFAULT, True), ("histogram floor, 256 a step", tr.Tuning(reg_pools=0, block=256,
+             floor_maxima=0), True), ("no maxima, register form", tr.WHOLE_ROW, False)]
+    bad = 0
+    for case in range(6):
+        rows, n, k = 5, int(rng.choice([700, 2048, 5000, 8192])), int(rng.choice([16, 64, 128]))
+        if case % 3 == 0:
+            x = rng.standard_normal((rows, n)).astype(np.float32)
+        elif case % 3 == 1:
+            x = np.maximum(rng.standard_normal((rows, n)), 0).astype(np.float32)
+        else:
+            x = rng.integers(-3, 4, (rows, n)).astype(np.float32)
+        lengths = rng.integers(0, n + 1, rows).astype(np.int32)
+        lengths[0], lengths[1] = n, min(n, k - 3)
+        want = np.asarray(ref.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k))
+        kp, cap, ng = workspace.padded_k(k), workspace.candidate_cap(k), workspace.maxima_cols(n)
+        keys = np.asarray(ref.order_key(jnp.asarray(x))).astype(np.uint32)
+        cols = np.array([workspace.group_columns(g) for g in range(ng)])
+        maxima = np.where((cols < n)[None], keys[:, np.minimum(cols, n - 1)], 0).max(axis=2).astype(np.uint32)
+        for label, tune, with_maxima in tunes:
+            sel_w = 2 * kp + (cap if with_maxima else 0)
+            reg = min(tune.reg_pools, 1 << (n - 1).bit_length())
+            out = np.full((rows, k), -7, np.int32)
+            for long_ in ([False, True] if 0 < reg < n else [False]):
+                got = HostArray(np.full((rows, k), -7, np.int32))
+                tr.topk_kernel[(rows,)](
+                    rows, n, ng, HostArray(x), HostArray(lengths), HostArray(maxima if with_maxima else
+                                                                             np.zeros(1, np.uint32)),
+                    HostArray(np.zeros((rows, sel_w), np.uint32)), HostArray(np.zeros((rows, sel_w), np.int32)),
+                    HostArray(np.zeros(rows * cap if with_maxima else 1, np.int32)), got,
+                    **tr.consts(k, cap, sel_w, tune, with_maxima), REVERSE=tune.reverse, REG=reg, LONG=long_,
+                    FLOOR_TILE=min(tune.floor_maxima, max(16, 1 << (ng - 1).bit_length())) if with_maxima else 0)
+                mine = (lengths <= reg) != long_ if reg else np.ones(rows, bool)
+                out[mine] = got.a[mine]
+            ok = np.array_equal(out, want)
+            bad += not ok
+            print(f"  row top-k {rows} x {n}, k {k}, {['normal', 'relu', 'ties'][case % 3]}, {label}: "
+                  f"{'ok' if ok else 'DIFFERS in rows ' + str(np.where((out != want).any(1))[0].tolist())}")
+    return bad
+
+
 def check_compile():
     import re
     import subprocess
@@ -503,7 +569,7 @@ def main():
     print(f"triton_dev_check {MODE}: seed {seed}")
     if MODE == "interpret":
         bad = check_numerics(rng) + check_cases(rng) + check_out_of_range(rng) + check_padded_stride(rng) \
-            + check_launch_variants(rng) + check_vectors()
+            + check_launch_variants(rng) + check_vectors() + check_row_topk(rng)
     elif MODE == "compile":
         bad = check_compile()
     elif MODE == "sass":
