@@ -336,7 +336,7 @@ def check_row_topk(rng):
     glm5_jax.reference.topk_pools: rows of random scores, a ReLU plateau of zeros and
     heavy ties, lengths from 0 to the row, with group maxima (the floor from registers
     and from histograms) and without, through the kernel's walks and its register
-    form. The interpreter runs every code path but not the GPU's layouts or races."""
+    form. The interpreter checks the kernel's logic, not the GPU's layouts or races."""
     from glm5_jax import reference as ref
     from pallas_kernels.read import workspace
     from pallas_kernels.triton_lang import topk_rows as tr
