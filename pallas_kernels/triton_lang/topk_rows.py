@@ -79,11 +79,12 @@ from .order_tl import append_at_least, order_key, take_th_key, write_sorted
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch shape: BLOCK scores per step of a walk, warps per program, NB bins per
-    level, SMALL the edge size sorted in the short form, REG the longest row held in
-    registers (0: none), floor_maxima the most group maxima of a row held in registers
-    for its floor (0: none). Defaults: the fastest shape measured for prefill chunks
-    (docs/benchmarks.md), but for ``reg_pools``, which ``DEFAULT`` turns off."""
+    """Launch shape: BLOCK scores per step of a walk (< 2**16: a step's two counts share
+    a word), warps per program, NB bins per level, SMALL the edge size sorted in the
+    short form, REG the longest row held in registers (0: none), floor_maxima the most
+    group maxima of a row held in registers for its floor (0: none). Defaults: the
+    fastest shape measured for prefill chunks (docs/benchmarks.md), but for
+    ``reg_pools``, which ``DEFAULT`` turns off."""
     block: int = 512
     num_warps: int = 4
     bins: int = 32
@@ -94,8 +95,8 @@ class Tuning:
 
     def __post_init__(self):
         pow2 = lambda v: isinstance(v, int) and v >= 16 and not v & (v - 1)   # noqa: E731
-        if not (pow2(self.block) and self.num_warps in (1, 2, 4, 8, 16) and pow2(self.bins) and pow2(self.small)
-                and (self.reg_pools == 0 or pow2(self.reg_pools))
+        if not (pow2(self.block) and self.block < 1 << 16 and self.num_warps in (1, 2, 4, 8, 16)
+                and pow2(self.bins) and pow2(self.small) and (self.reg_pools == 0 or pow2(self.reg_pools))
                 and (self.floor_maxima == 0 or pow2(self.floor_maxima))):
             raise ValueError(f"bad triton top-k tuning {self}")
 
@@ -140,8 +141,9 @@ def _key_range(base, bkey, bid, from_buf, n, BLOCK: tl.constexpr):
     kmax = tl.full((), 0, tl.uint32)
     for t in range(0, n, BLOCK):
         ids, m, key = _source(base, bkey, bid, from_buf, t, n, BLOCK)
-        kmin = tl.minimum(kmin, tl.min(tl.where(m, key, 0xFFFFFFFF), axis=0))
-        kmax = tl.maximum(kmax, tl.max(tl.where(m, key, 0), axis=0))
+        lo, hi = tl.reduce((tl.where(m, key, 0xFFFFFFFF), tl.where(m, key, 0)), 0, _min_max)
+        kmin = tl.minimum(kmin, lo)
+        kmax = tl.maximum(kmax, hi)
     return tl.minimum(kmin, kmax), kmax
 
 
@@ -169,12 +171,21 @@ def _edge_bin(base, bkey, bid, from_buf, n, take, kmin, scale, BLOCK: tl.constex
 
 
 @triton.jit
-def _group_columns(gid, GROUP: tl.constexpr, STEP: tl.constexpr):
-    """[BG] group ids -> [BG, GROUP] their logit columns (workspace.group_columns)."""
+def _min_max(a0, a1, b0, b1):
+    return tl.minimum(a0, b0), tl.maximum(a1, b1)
+
+
+@triton.jit
+def _sum_min_max(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
+
+
+@triton.jit
+def _group_column(gid, lane, GROUP: tl.constexpr, STEP: tl.constexpr):
+    """The logit column of lane `lane` (0 .. GROUP - 1) of group `gid`, elementwise
+    (workspace.group_columns: two runs of 4 columns, 8 apart)."""
     NS: tl.constexpr = STEP // GROUP
-    lane = tl.arange(0, GROUP)
-    base = (gid // NS) * STEP + ((gid % NS) // 2) * 16 + (gid % 2) * 4
-    return base[:, None] + ((lane // 4) * 8 + lane % 4)[None, :]
+    return (gid // NS) * STEP + ((gid % NS) // 2) * 16 + (gid % 2) * 4 + (lane // 4) * 8 + lane % 4
 
 
 @triton.jit
@@ -233,17 +244,20 @@ def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_
                 n_listed += tl.sum(up.to(tl.int32), axis=0)
             tl.debug_barrier()
             if n_listed <= CAP:
-                # their scores >= the floor, then those of the partial step past the whole ones
+                # their scores >= the floor, then those of the partial step past the whole ones;
+                # entry i of a tile is lane i % GROUP of the tile's group i // GROUP (a 1-D
+                # tile: a [groups, GROUP] one costs a reshape and layout moves per tile)
                 BG: tl.constexpr = BLOCK // GROUP
                 NS: tl.constexpr = STEP // GROUP
-                gj = tl.arange(0, BG)
+                i = tl.arange(0, BLOCK)
+                lane = i % GROUP
                 n_cand = n * 0
                 for t in range(0, n_listed + NS, BG):
-                    live = (t + gj) < n_listed
-                    gid = tl.where(live, tl.load(grow + t + gj, mask=live, other=0), ng + (t + gj - n_listed))
-                    gid = tl.where((t + gj) < n_listed + NS, gid, -1)
-                    offs = tl.reshape(_group_columns(gid, GROUP, STEP), (BLOCK,))
-                    m = tl.reshape(tl.broadcast_to((gid >= 0)[:, None], (BG, GROUP)), (BLOCK,)) & (offs < n)
+                    slot = t + i // GROUP
+                    live = slot < n_listed
+                    gid = tl.where(live, tl.load(grow + slot, mask=live, other=0), ng + (slot - n_listed))
+                    offs = _group_column(gid, lane, GROUP, STEP)
+                    m = (slot < n_listed + NS) & (offs < n)
                     key = order_key(tl.load(base + offs, mask=m, other=0.0))
                     n_cand += append_at_least(bkey, bid, n_cand, key, offs, m, floor, CAP)
                 if (n_cand <= CAP) & (n_cand >= K):        # (>= K: maxima that overstate fall back)
@@ -273,17 +287,22 @@ def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_
         ids, m, key, b1, b2 = _tile(base, bkey, bid, from_buf, t, src_n, kmin, scale, BLOCK, NB)
         sure = m & ((b1 > c1) | ((b1 == c1) & (b2 > c2)))
         onedge = m & (b1 == c1) & (b2 == c2)
-        ps = cnt_s + tl.cumsum(sure.to(tl.int32), axis=0) - 1
-        pe = cnt_e + tl.cumsum(onedge.to(tl.int32), axis=0) - 1
+        # both counts in one word (a tile's counts are < 2**16): one scan and one reduction
+        both = sure.to(tl.int32) + (onedge.to(tl.int32) << 16)
+        upto = tl.cumsum(both, axis=0)
+        ps = cnt_s + (upto & 0xFFFF) - 1
+        pe = cnt_e + (upto >> 16) - 1
         keep_e = onedge & (pe < KP)
         pos = tl.where(sure, ps, KP + pe)
         sel = sure | keep_e
         tl.store(ck + pos, key, mask=sel)
         tl.store(ci + pos, ids, mask=sel)
-        cnt_s += tl.sum(sure.to(tl.int32), axis=0)
-        cnt_e += tl.sum(onedge.to(tl.int32), axis=0)
-        emin = tl.minimum(emin, tl.min(tl.where(onedge, key, 0xFFFFFFFF), axis=0))
-        emax = tl.maximum(emax, tl.max(tl.where(onedge, key, 0), axis=0))
+        tot, lo, hi = tl.reduce((both, tl.where(onedge, key, 0xFFFFFFFF), tl.where(onedge, key, 0)), 0,
+                                _sum_min_max)
+        cnt_s += tot & 0xFFFF
+        cnt_e += tot >> 16
+        emin = tl.minimum(emin, lo)
+        emax = tl.maximum(emax, hi)
     tl.debug_barrier()
     # the edge bin's best `need`: sorted when it holds <= KP, the first by id when all tie,
     # else (rare: many distinct keys in one bin of NB * NB) one exact radix walk per digit
