@@ -431,27 +431,32 @@ def query_row_chunk(n_rows: int, hp: int, n_pools: int, batch: int = 1, budget_b
 
 
 def map_query_rows(fn, chunk: int, *arrays):
-    """fn over [B, chunk, ...] slices of [B, n, ...] arrays (axis 1), concatenated back.
+    """fn over windows of rows of [B, n, ...] arrays (axis 1), written into one [B, n, ...]
+    result: no padded copy of the inputs, no sliced copy of the output.
 
-    Pads n up to a multiple of chunk (padding rows get whatever fn makes of the
-    pad values; callers pad positions with -1) and runs the chunks with lax.map.
+    The n rows go in ceil(n / chunk) windows of c = ceil(n / windows) <= chunk rows each,
+    window i at rows min(i * c, n - c) .. + c: the last window may repeat fewer than
+    `windows` rows of the one before it, so fn must give each row the same result
+    whatever other rows share its window (every read path's rows are independent).
+    fn maps [B, c, ...] arrays to one [B, c, ...] array.
     """
     n = arrays[0].shape[1]
     if chunk >= n:
         return fn(*arrays)
-    n_chunks = -(-n // chunk)
-    pad = n_chunks * chunk - n
+    windows = -(-n // chunk)
+    c = -(-n // windows)
+    part = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(a.shape[:1] + (c,) + a.shape[2:], a.dtype)
+                                for a in arrays))
+    if not isinstance(part, jax.ShapeDtypeStruct) or part.shape[1] != c:
+        raise ValueError(f"map_query_rows: fn must return one [B, {c}, ...] array, got {part}")
 
-    def split(a, fill):
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-        a = a.reshape((a.shape[0], n_chunks, chunk) + a.shape[2:])
-        return jnp.moveaxis(a, 1, 0)
+    def window(i, out):
+        first = jnp.minimum(i * c, n - c)
+        y = fn(*(_lax.dynamic_slice_in_dim(a, first, c, axis=1) for a in arrays))
+        return _lax.dynamic_update_slice_in_dim(out, y, first, axis=1)
 
-    fills = [(-1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays]
-    out = _lax.map(lambda xs: fn(*xs), tuple(split(a, f) for a, f in zip(arrays, fills)))
-    out = jnp.moveaxis(out, 0, 1)                                  # [B, n_chunks, chunk, ...]
-    out = out.reshape((out.shape[0], n_chunks * chunk) + out.shape[3:])
-    return out[:, :n]
+    out = jnp.zeros(part.shape[:1] + (n,) + part.shape[2:], part.dtype)
+    return _lax.fori_loop(0, windows, window, out)
 
 
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,

@@ -760,6 +760,52 @@ def test_paged_topk_exact_ties(rng, splits):
     assert (row[: int(ctx[0, 0])] == row[want[0, -1]]).sum() > 1
 
 
+@pytest.mark.parametrize("n, chunk", [(37, 5), (37, 36), (37, 1), (40, 8), (6, 6), (6, 9)])
+def test_map_query_rows_gives_each_row_fns_result(rng, n, chunk):
+    """map_query_rows: every row's result is fn's on that row, through windows of equal
+    width, at most `chunk` rows (the last overlapping the one before where n is not a
+    multiple of the width), or one call when chunk >= n; a fn returning another row
+    count than it was given is refused."""
+    b = 2
+    x = jnp.asarray(rng.standard_normal((b, n, 3, 4)).astype(np.float32))
+    pos = jnp.asarray(rng.integers(-1, 1000, (b, n)).astype(np.int32))
+    widths = []
+
+    def fn(xs, ps):                                         # [B, c, 3, 4], [B, c] -> [B, c, 5] i32
+        widths.append(xs.shape[1])
+        v = jnp.floor(xs.sum(axis=(2, 3)) * 1000).astype(jnp.int32) + ps
+        return jnp.stack([v, ps, v - ps, ps * 2, v * 3], axis=-1)
+
+    want = np.asarray(fn(x, pos))
+    widths.clear()
+    got = np.asarray(jax.jit(lambda a, p: ref.map_query_rows(fn, chunk, a, p))(x, pos))
+    np.testing.assert_array_equal(got, want)
+    expect = n if chunk >= n else -(-n // -(-n // chunk))
+    assert set(widths) == {expect} and (expect <= chunk or chunk >= n)
+    if chunk < n:
+        with pytest.raises(ValueError, match="must return one"):
+            ref.map_query_rows(lambda xs, ps: jnp.concatenate([ps, ps], axis=1), chunk, x, pos)
+
+
+def test_map_query_rows_copies_no_whole_input(rng):
+    """The window loop's compiled temporaries stay below one copy of its inputs: each
+    window's rows are sliced on their own and its results written into the answer, so
+    neither a padded copy of every row nor a sliced copy of the result is made."""
+    n, cols, chunk = 4096 + int(rng.integers(1, 900)), 256, 1000
+    x = jax.ShapeDtypeStruct((1, n, cols), jnp.float32)
+    p = jax.ShapeDtypeStruct((1, n), jnp.int32)
+
+    def fn(xs, ps):                                         # [1, c, cols], [1, c] -> [1, c, 4] f32
+        return (xs.sum(axis=-1) + ps)[..., None] * jnp.arange(4, dtype=jnp.float32)
+
+    compiled = jax.jit(lambda a, b: ref.map_query_rows(fn, chunk, a, b)).lower(x, p).compile()
+    stats = compiled.memory_analysis()
+    if stats is None:
+        pytest.skip("this backend reports no memory analysis")
+    input_bytes = n * cols * 4
+    assert stats.temp_size_in_bytes < input_bytes // 2, (stats.temp_size_in_bytes, input_bytes)
+
+
 def test_long_prefill_runs_in_row_chunks(rng, monkeypatch, request):
     """Long prefills walk the query rows in chunks (fused: MAX_ROWS_PER_CALL rows per
     call; XLA/unfused: a logits budget); chunking must not change the selection. Both
