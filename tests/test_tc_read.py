@@ -555,11 +555,13 @@ def _tc_topk_with_maxima(x, lengths, k, mx, floor_maxima=None):
 @pytest.mark.gpu
 def test_tc_topk_tuning_refuses_shapes_it_cannot_run():
     """A row top-k shape off the kernel's rules is refused when made: BLOCK a power of two
-    below 2**16 (a step's two counts share a 32-bit word), warps a power of two to 16."""
+    of at most 2**14 (a step's two counts share a signed 32-bit word, the second shifted
+    by 16 bits: 2**15 entries on the edge would reach the sign bit), warps a power of two
+    to 16."""
     _require_triton()
     from pallas_kernels.triton_lang import topk_rows
-    assert topk_rows.Tuning(block=1 << 15).block == 1 << 15
-    for bad in (dict(block=1 << 16), dict(block=48), dict(num_warps=3), dict(bins=8), dict(reg_pools=100)):
+    assert topk_rows.Tuning(block=1 << 14).block == 1 << 14
+    for bad in (dict(block=1 << 15), dict(block=1 << 16), dict(block=48), dict(num_warps=3), dict(bins=8), dict(reg_pools=100)):
         with pytest.raises(ValueError, match="bad triton top-k tuning"):
             topk_rows.Tuning(**bad)
 

@@ -79,8 +79,8 @@ from .order_tl import append_at_least, order_key, take_th_key, write_sorted
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch shape: BLOCK scores per step of a walk (< 2**16: a step's two counts share
-    a word), warps per program, NB bins per level, SMALL the edge size sorted in the
+    """Launch shape: BLOCK scores per step of a walk (at most 2**14: a step's two counts
+    share a signed 32-bit word, the second shifted by 16 bits), warps per program, NB bins per level, SMALL the edge size sorted in the
     short form, REG the longest row held in registers (0: none), floor_maxima the most
     group maxima of a row held in registers for its floor (0: none). Defaults: the
     fastest shape measured for prefill chunks (docs/benchmarks.md), but for
@@ -95,7 +95,7 @@ class Tuning:
 
     def __post_init__(self):
         pow2 = lambda v: isinstance(v, int) and v >= 16 and not v & (v - 1)   # noqa: E731
-        if not (pow2(self.block) and self.block < 1 << 16 and self.num_warps in (1, 2, 4, 8, 16)
+        if not (pow2(self.block) and self.block <= 1 << 14 and self.num_warps in (1, 2, 4, 8, 16)
                 and pow2(self.bins) and pow2(self.small) and (self.reg_pools == 0 or pow2(self.reg_pools))
                 and (self.floor_maxima == 0 or pow2(self.floor_maxima))):
             raise ValueError(f"bad triton top-k tuning {self}")
@@ -287,7 +287,7 @@ def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_
         ids, m, key, b1, b2 = _tile(base, bkey, bid, from_buf, t, src_n, kmin, scale, BLOCK, NB)
         sure = m & ((b1 > c1) | ((b1 == c1) & (b2 > c2)))
         onedge = m & (b1 == c1) & (b2 == c2)
-        # both counts in one word (a tile's counts are < 2**16): one scan and one reduction
+        # both counts in one word (a tile's counts are <= 2**14): one scan and one reduction
         both = sure.to(tl.int32) + (onedge.to(tl.int32) << 16)
         upto = tl.cumsum(both, axis=0)
         ps = cnt_s + (upto & 0xFFFF) - 1
