@@ -116,9 +116,36 @@ def _patch_interpreter_unsigned_ones():
     ti.InterpreterBuilder.get_all_ones_value = patched
 
 
+def _patch_interpreter_fp8():
+    """Triton 3.6's interpreter converts to fp8 by cutting the significand and adding the
+    first cut bit, which loses the carry into the exponent (126.3 -> 64, 0.0309 ->
+    0.0156) and rounds ties up rather than to even. Conversions to and from e4m3
+    (``tl.float8e4nv``) go through ml_dtypes instead, saturating like the GPU's
+    cvt.rn.satfinite; other types keep the interpreter's own conversion."""
+    import ml_dtypes
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+    orig = ti.InterpreterBuilder.create_fp_to_fp
+    e4m3 = ml_dtypes.float8_e4m3fn
+    wide = {tl.float32: np.float32, tl.float16: np.float16, tl.bfloat16: ml_dtypes.bfloat16}
+
+    def patched(self, src, dst_type, rounding_mode):
+        src_t, dst_t = src.dtype.scalar, dst_type.scalar
+        if dst_t == tl.float8e4nv and src_t in wide:
+            v = src.data.view(wide[src_t]).astype(np.float32)
+            v = np.where(np.isnan(v), v, np.clip(v, -448.0, 448.0))
+            return ti.TensorHandle(v.astype(e4m3).view(np.uint8), dst_t)
+        if src_t == tl.float8e4nv and dst_t in wide:
+            v = src.data.view(e4m3).astype(wide[dst_t])
+            return ti.TensorHandle(v.view(ti._get_np_dtype(dst_type)), dst_t)
+        return orig(self, src, dst_type, rounding_mode)
+    ti.InterpreterBuilder.create_fp_to_fp = patched
+
+
 if MODE == "interpret":
     _patch_interpreter_index()
     _patch_interpreter_unsigned_ones()
+    _patch_interpreter_fp8()
 
 
 def interpret(launch):
