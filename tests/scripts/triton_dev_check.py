@@ -8,8 +8,9 @@ No torch: a small numpy-backed stand-in gives Triton's interpreter the pointers.
         Runs the kernels with TRITON_INTERPRET=1 on CPU (numpy) and compares bytes
         with glm5_jax.reference: the numerics helpers on random and edge values, the
         write-kernel cases of tests/write_cases.py, out-of-range slots, the padded
-        stride regression, the vLLM vectors when present, and the prefill row top-k's
-        ids against the reference's top-k (check_row_topk).
+        stride regression, the vLLM vectors when present, the prefill row top-k's
+        ids against the reference's top-k (check_row_topk), and the tensor-core logits
+        and their group maxima against the exact logits (check_prefill_logits).
     PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py compile
         Compiles every kernel for sm_90 through jax_triton 0.3.1's own compile path
         (TTIR -> TTGIR -> LLIR -> PTX) and then ptxas (bundled with triton), and checks
@@ -410,6 +411,53 @@ def check_row_topk(rng):
     return bad
 
 
+def check_prefill_logits(rng):
+    """The tensor-core logits kernel (``prefill_logits.paged_logits``, its launch shape
+    and page entries, the kernel in the interpreter, outputs sentinel-filled) against
+    the exact logits of test_tc_read.golden: every element written with ``fill`` (-inf
+    exactly outside each row's context), each within the contract's bound E, the
+    group maxima equal to those of the kernel's own logits, and without ``fill`` the
+    same logits and maxima below each row's context. The interpreter's dot is numpy's,
+    not wgmma: this checks the addressing, masks and maxima, not the GPU's rounding."""
+    from pallas_kernels.read import workspace
+    from pallas_kernels.triton_lang import _call
+    from pallas_kernels.triton_lang import prefill_logits as pl
+    from test_tc_read import golden, group_maxima, tc_case
+    bad = 0
+    saved = _call.run_read
+    _call.run_read = _interpret_read
+    try:
+        for label, case in (("P32-H32", dict(block_size=1152, heads=32)), ("P64-H32", dict(block_size=256, heads=32))):
+            layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=2, n=21, max_pages=5, **case)
+            gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
+            args = (jnp.asarray(cache), s, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
+            for tname, tune in (("prefill", pl.PREFILL), ("decode", pl.DECODE)):
+                with jax.disable_jit():
+                    lg, mx = (np.asarray(a) for a in pl.paged_logits(*args, fill=True, maxima=True, tune=tune))
+                    lg0, mx0 = (np.asarray(a) for a in pl.paged_logits(*args, fill=False, maxima=True, tune=tune))
+                fin = np.isfinite(gold)
+                last = np.array([max(workspace.group_columns(g)) for g in range(mx.shape[-1])])
+                inside = last < lg.shape[-1]
+                want_mx = group_maxima(lg.reshape(-1, lg.shape[-1])).reshape(mx.shape)
+                errs = [np.array_equal(np.isneginf(lg), ~fin) and not np.isnan(lg).any(),
+                        bool((np.abs(lg[fin] - gold[fin]) <= e[fin]).all()),
+                        np.array_equal(mx[..., inside], want_mx[..., inside])]
+                seen_ok = True
+                for b in range(lg.shape[0]):
+                    for i in range(lg.shape[1]):
+                        c = int(ctx[b, i])
+                        seen_ok &= np.array_equal(lg0[b, i, :c], lg[b, i, :c])
+                        seen_ok &= np.array_equal(mx0[b, i, last < c], mx[b, i, last < c])
+                errs.append(bool(seen_ok))
+                names = ("written, -inf outside the context", "within E", "maxima", "without fill")
+                failed = [nm for nm, ok in zip(names, errs) if not ok]
+                bad += len(failed)
+                print(f"  prefill logits {label} {tname}: {'ok' if not failed else 'DIFFERS: ' + ', '.join(failed)}")
+    finally:
+        _call.run_read = saved
+    return bad
+
+
 def check_compile():
     import re
     import subprocess
@@ -599,7 +647,7 @@ def main():
     print(f"triton_dev_check {MODE}: seed {seed}")
     if MODE == "interpret":
         bad = check_numerics(rng) + check_cases(rng) + check_out_of_range(rng) + check_padded_stride(rng) \
-            + check_launch_variants(rng) + check_vectors() + check_row_topk(rng)
+            + check_launch_variants(rng) + check_vectors() + check_row_topk(rng) + check_prefill_logits(rng)
     elif MODE == "compile":
         bad = check_compile()
     elif MODE == "sass":
