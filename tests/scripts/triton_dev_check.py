@@ -9,8 +9,9 @@ No torch: a small numpy-backed stand-in gives Triton's interpreter the pointers.
         with glm5_jax.reference: the numerics helpers on random and edge values, the
         write-kernel cases of tests/write_cases.py, out-of-range slots, the padded
         stride regression, the vLLM vectors when present, the prefill row top-k's
-        ids against the reference's top-k (check_row_topk), and the tensor-core logits
-        and their group maxima against the exact logits (check_prefill_logits).
+        ids against the reference's top-k (check_row_topk), the tensor-core logits
+        and their group maxima against the exact logits (check_prefill_logits), and the
+        decode split top-k's and the sampled top-k's ids (check_split_and_dense_topk).
     PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py compile
         Compiles every kernel for sm_90 through jax_triton 0.3.1's own compile path
         (TTIR -> TTGIR -> LLIR -> PTX) and then ptxas (bundled with triton), and checks
@@ -359,11 +360,15 @@ def _load_jax_triton_lib():
     return mod
 
 
-def _interpret_read(kernel, scalars, arrays, out_shape, *, grid, constexprs, **_):
+def _interpret_read(kernel, scalars, arrays, out_shape, *, grid, constexprs, input_output_aliases=None, **_):
     """_call.run_read in the interpreter, for concrete arrays (under jax.disable_jit):
-    the outputs start filled with a sentinel, so a slot the kernel leaves shows."""
+    the outputs start filled with a sentinel, so a slot the kernel leaves shows, but
+    for an output aliased to an input (``input_output_aliases``), which starts as a
+    copy of that input."""
     outs = out_shape if isinstance(out_shape, tuple) else (out_shape,)
     hosts = [HostArray(np.full(o.shape, 0xA5A5A5A5 if o.dtype == jnp.uint32 else -7, o.dtype)) for o in outs]
+    for i, j in (input_output_aliases or {}).items():
+        hosts[j] = HostArray(np.array(arrays[i], dtype=outs[j].dtype).reshape(outs[j].shape))
     kernel[grid](*scalars, *[HostArray(np.asarray(a)) for a in arrays], *hosts, **constexprs)
     got = tuple(jnp.asarray(h.a) for h in hosts)
     return got if isinstance(out_shape, tuple) else got[0]
@@ -406,6 +411,62 @@ def check_row_topk(rng):
                 bad += not ok
                 print(f"  row top-k {rows} x {n}, k {k}, {['normal', 'relu', 'ties'][case % 3]}, {label}: "
                       f"{'ok' if ok else 'DIFFERS in rows ' + str(np.where((got != want).any(1))[0].tolist())}")
+    finally:
+        _call.run_read = saved
+    return bad
+
+
+def _topk_rows(rng, rows, n, k):
+    """Scores for the top-k checks: random, ReLU plateau, few distinct values (ties) and
+    duplicated keys in turn, row by row; lengths from 0 to past the row, the first full."""
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[1::4] = np.maximum(x[1::4], 0.0)
+    x[2::4] = np.round(x[2::4] * 2) / 2
+    x[3::4] = np.repeat(x[3::4, ::8], 8, axis=1)[:, :n]
+    lengths = rng.integers(0, n + 100, rows).astype(np.int32)
+    lengths[0] = n
+    lengths[1] = min(n, k - 1)
+    return x, lengths
+
+
+def check_split_and_dense_topk(rng):
+    """The decode split top-k (``split_topk.topk_pools_split``: the candidate launch with
+    maxima of 8 and of 64 pools, then the rank launch) and the sampled top-k of bare
+    scores (``dense_topk``: sample, collect, select launches) against
+    glm5_jax.reference.topk_pools, the kernels in the interpreter; aliased outputs (the
+    counters) start as their inputs, the others sentinel-filled."""
+    from glm5_jax import reference as ref
+    from pallas_kernels.read import workspace
+    from pallas_kernels.triton_lang import _call, dense_topk, split_topk
+    from test_tc_read import group_maxima
+    bad = 0
+    saved = _call.run_read
+    _call.run_read = _interpret_read
+    try:
+        for rows, n, k in ((6, 5000, 64), (4, 20000, 512)):
+            x, lengths = _topk_rows(rng, rows, n, k)
+            want = np.asarray(ref.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k))
+            keys = np.asarray(ref.order_key(jnp.asarray(x)))
+            steps = workspace.maxima_cols(n, 64)
+            pad = np.zeros((rows, steps * 64), np.uint32)
+            pad[:, :n] = keys
+            for pools, mx in ((8, group_maxima(x)), (64, pad.reshape(rows, steps, 64).max(axis=2))):
+                with jax.disable_jit():
+                    got = np.asarray(split_topk.topk_pools_split(jnp.asarray(x), jnp.asarray(lengths), k,
+                                                                 jnp.asarray(mx), pools))
+                ok = np.array_equal(got, want)
+                bad += not ok
+                print(f"  split top-k {rows} x {n}, k {k}, maxima of {pools}: "
+                      f"{'ok' if ok else 'DIFFERS in rows ' + str(np.where((got != want).any(1))[0].tolist())}")
+            with jax.disable_jit():
+                xs, ls = jnp.asarray(x), jnp.asarray(lengths)
+                guess, count = dense_topk.sample_guesses(xs, ls, k)
+                got = np.asarray(dense_topk.select_candidates(
+                    xs, ls, dense_topk.collect_candidates(xs, ls, guess, count, k), k))
+            ok = np.array_equal(got, want)
+            bad += not ok
+            print(f"  sampled top-k {rows} x {n}, k {k}: "
+                  f"{'ok' if ok else 'DIFFERS in rows ' + str(np.where((got != want).any(1))[0].tolist())}")
     finally:
         _call.run_read = saved
     return bad
@@ -647,7 +708,8 @@ def main():
     print(f"triton_dev_check {MODE}: seed {seed}")
     if MODE == "interpret":
         bad = check_numerics(rng) + check_cases(rng) + check_out_of_range(rng) + check_padded_stride(rng) \
-            + check_launch_variants(rng) + check_vectors() + check_row_topk(rng) + check_prefill_logits(rng)
+            + check_launch_variants(rng) + check_vectors() + check_row_topk(rng) + check_prefill_logits(rng) \
+            + check_split_and_dense_topk(rng)
     elif MODE == "compile":
         bad = check_compile()
     elif MODE == "sass":
