@@ -32,6 +32,7 @@ programs or missing barriers; the GPU tests (tests/test_triton.py) do.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -374,6 +375,25 @@ def _interpret_read(kernel, scalars, arrays, out_shape, *, grid, constexprs, inp
     return got if isinstance(out_shape, tuple) else got[0]
 
 
+@contextlib.contextmanager
+def _reads_in_interpreter():
+    """_call.run_read served by _interpret_read inside the block."""
+    from pallas_kernels.triton_lang import _call
+    saved = _call.run_read
+    _call.run_read = _interpret_read
+    try:
+        yield
+    finally:
+        _call.run_read = saved
+
+
+def _report_ids(label, got, want) -> int:
+    """Print whether [rows, k] ids equal the reference's (naming the rows that differ); 1 if not."""
+    ok = np.array_equal(got, want)
+    print(f"  {label}: {'ok' if ok else 'DIFFERS in rows ' + str(np.where((got != want).any(1))[0].tolist())}")
+    return int(not ok)
+
+
 def check_row_topk(rng):
     """The prefill row top-k (``topk_rows.topk_pools``, its planning and launches, the
     kernels in the interpreter) against glm5_jax.reference.topk_pools: rows of random
@@ -382,16 +402,13 @@ def check_row_topk(rng):
     register form and the walks, merged by row length). The interpreter checks the
     kernel's logic, not the GPU's layouts or races."""
     from glm5_jax import reference as ref
-    from pallas_kernels.triton_lang import _call
     from pallas_kernels.triton_lang import topk_rows as tr
     from test_tc_read import group_maxima
     tunes = [("default", tr.DEFAULT, True),
              ("histogram floor, 256 a step", tr.Tuning(reg_pools=0, block=256, floor_maxima=0), True),
              ("no maxima, register form", tr.WHOLE_ROW, False)]
     bad = 0
-    saved = _call.run_read
-    _call.run_read = _interpret_read
-    try:
+    with _reads_in_interpreter():
         for case in range(6):
             rows, n, k = 5, int(rng.choice([700, 2048, 5000, 8192])), int(rng.choice([16, 64, 128]))
             if case % 3 == 0:
@@ -407,12 +424,8 @@ def check_row_topk(rng):
                 with jax.disable_jit():
                     got = np.asarray(tr.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k,
                                                    jnp.asarray(group_maxima(x)) if with_maxima else None, tune=tune))
-                ok = np.array_equal(got, want)
-                bad += not ok
-                print(f"  row top-k {rows} x {n}, k {k}, {['normal', 'relu', 'ties'][case % 3]}, {label}: "
-                      f"{'ok' if ok else 'DIFFERS in rows ' + str(np.where((got != want).any(1))[0].tolist())}")
-    finally:
-        _call.run_read = saved
+                bad += _report_ids(f"row top-k {rows} x {n}, k {k}, {['normal', 'relu', 'ties'][case % 3]}, {label}",
+                                   got, want)
     return bad
 
 
@@ -437,12 +450,10 @@ def check_split_and_dense_topk(rng):
     counters) start as their inputs, the others sentinel-filled."""
     from glm5_jax import reference as ref
     from pallas_kernels.read import workspace
-    from pallas_kernels.triton_lang import _call, dense_topk, split_topk
+    from pallas_kernels.triton_lang import dense_topk, split_topk
     from test_tc_read import group_maxima
     bad = 0
-    saved = _call.run_read
-    _call.run_read = _interpret_read
-    try:
+    with _reads_in_interpreter():
         for rows, n, k in ((6, 5000, 64), (4, 20000, 512)):
             x, lengths = _topk_rows(rng, rows, n, k)
             want = np.asarray(ref.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k))
@@ -454,21 +465,13 @@ def check_split_and_dense_topk(rng):
                 with jax.disable_jit():
                     got = np.asarray(split_topk.topk_pools_split(jnp.asarray(x), jnp.asarray(lengths), k,
                                                                  jnp.asarray(mx), pools))
-                ok = np.array_equal(got, want)
-                bad += not ok
-                print(f"  split top-k {rows} x {n}, k {k}, maxima of {pools}: "
-                      f"{'ok' if ok else 'DIFFERS in rows ' + str(np.where((got != want).any(1))[0].tolist())}")
+                bad += _report_ids(f"split top-k {rows} x {n}, k {k}, maxima of {pools}", got, want)
             with jax.disable_jit():
                 xs, ls = jnp.asarray(x), jnp.asarray(lengths)
                 guess, count = dense_topk.sample_guesses(xs, ls, k)
                 got = np.asarray(dense_topk.select_candidates(
                     xs, ls, dense_topk.collect_candidates(xs, ls, guess, count, k), k))
-            ok = np.array_equal(got, want)
-            bad += not ok
-            print(f"  sampled top-k {rows} x {n}, k {k}: "
-                  f"{'ok' if ok else 'DIFFERS in rows ' + str(np.where((got != want).any(1))[0].tolist())}")
-    finally:
-        _call.run_read = saved
+            bad += _report_ids(f"sampled top-k {rows} x {n}, k {k}", got, want)
     return bad
 
 
@@ -481,13 +484,10 @@ def check_prefill_logits(rng):
     same logits and maxima below each row's context. The interpreter's dot is numpy's,
     not wgmma: this checks the addressing, masks and maxima, not the GPU's rounding."""
     from pallas_kernels.read import workspace
-    from pallas_kernels.triton_lang import _call
     from pallas_kernels.triton_lang import prefill_logits as pl
     from test_tc_read import golden, group_maxima, tc_case
     bad = 0
-    saved = _call.run_read
-    _call.run_read = _interpret_read
-    try:
+    with _reads_in_interpreter():
         for label, case in (("P32-H32", dict(block_size=1152, heads=32)), ("P64-H32", dict(block_size=256, heads=32))):
             layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=2, n=21, max_pages=5, **case)
             gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
@@ -514,8 +514,6 @@ def check_prefill_logits(rng):
                 failed = [nm for nm, ok in zip(names, errs) if not ok]
                 bad += len(failed)
                 print(f"  prefill logits {label} {tname}: {'ok' if not failed else 'DIFFERS: ' + ', '.join(failed)}")
-    finally:
-        _call.run_read = saved
     return bad
 
 
