@@ -365,7 +365,8 @@ def _interpret_read(kernel, scalars, arrays, out_shape, *, grid, constexprs, inp
     """_call.run_read in the interpreter, for concrete arrays (under jax.disable_jit):
     the outputs start filled with a sentinel, so a slot the kernel leaves shows, but
     for an output aliased to an input (``input_output_aliases``), which starts as a
-    copy of that input."""
+    copy of that input. The two stay separate arrays here (one buffer on the GPU): a
+    kernel reading back through the input what it wrote to the output would differ."""
     outs = out_shape if isinstance(out_shape, tuple) else (out_shape,)
     hosts = [HostArray(np.full(o.shape, 0xA5A5A5A5 if o.dtype == jnp.uint32 else -7, o.dtype)) for o in outs]
     for i, j in (input_output_aliases or {}).items():
