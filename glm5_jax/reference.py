@@ -434,29 +434,29 @@ def map_query_rows(fn, chunk: int, *arrays):
     """fn over windows of rows of [B, n, ...] arrays (axis 1), written into one [B, n, ...]
     result: no padded copy of the inputs, no sliced copy of the output.
 
-    The n rows go in ceil(n / chunk) windows of c = ceil(n / windows) <= chunk rows each,
-    window i at rows min(i * c, n - c) .. + c: the last window may repeat fewer than
+    The n rows go in ceil(n / chunk) windows of w = ceil(n / windows) <= chunk rows each,
+    window i at rows min(i * w, n - w) .. + w: the last window may repeat fewer than
     `windows` rows of the one before it, so fn must give each row the same result
     whatever other rows share its window (every read path's rows are independent).
-    fn maps [B, c, ...] arrays to one [B, c, ...] array.
+    fn maps [B, w, ...] arrays to one [B, w, ...] array.
     """
     n = arrays[0].shape[1]
     if chunk >= n:
         return fn(*arrays)
-    windows = -(-n // chunk)
-    c = -(-n // windows)
-    part = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(a.shape[:1] + (c,) + a.shape[2:], a.dtype)
+    n_windows = -(-n // chunk)
+    window_rows = -(-n // n_windows)
+    part = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(a.shape[:1] + (window_rows,) + a.shape[2:], a.dtype)
                                 for a in arrays))
-    if not isinstance(part, jax.ShapeDtypeStruct) or part.shape[1] != c:
-        raise ValueError(f"map_query_rows: fn must return one [B, {c}, ...] array, got {part}")
+    if not isinstance(part, jax.ShapeDtypeStruct) or part.shape[1] != window_rows:
+        raise ValueError(f"map_query_rows: fn must return one [B, {window_rows}, ...] array, got {part}")
 
-    def window(i, out):
-        first = jnp.minimum(i * c, n - c)
-        y = fn(*(_lax.dynamic_slice_in_dim(a, first, c, axis=1) for a in arrays))
-        return _lax.dynamic_update_slice_in_dim(out, y, first, axis=1)
+    def window(i, out):                                  # out: [B, n, ...]
+        first_row = jnp.minimum(i * window_rows, n - window_rows)
+        y = fn(*(_lax.dynamic_slice_in_dim(a, first_row, window_rows, axis=1) for a in arrays))
+        return _lax.dynamic_update_slice_in_dim(out, y, first_row, axis=1)
 
     out = jnp.zeros(part.shape[:1] + (n,) + part.shape[2:], part.dtype)
-    return _lax.fori_loop(0, windows, window, out)
+    return _lax.fori_loop(0, n_windows, window, out)
 
 
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,

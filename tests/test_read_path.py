@@ -780,7 +780,8 @@ def test_map_query_rows_gives_each_row_fns_result(rng, n, chunk):
     widths.clear()
     got = np.asarray(jax.jit(lambda a, p: ref.map_query_rows(fn, chunk, a, p))(x, pos))
     np.testing.assert_array_equal(got, want)
-    expect = n if chunk >= n else -(-n // -(-n // chunk))
+    windows = -(-n // chunk)                                # ceil: at most `chunk` rows each
+    expect = -(-n // windows)                               # equal widths (n itself for one call)
     assert set(widths) == {expect} and (expect <= chunk or chunk >= n)
     if chunk < n:
         with pytest.raises(ValueError, match="must return one"):

@@ -561,7 +561,8 @@ def test_tc_topk_tuning_refuses_shapes_it_cannot_run():
     _require_triton()
     from pallas_kernels.triton_lang import topk_rows
     assert topk_rows.Tuning(block=1 << 14).block == 1 << 14
-    for bad in (dict(block=1 << 15), dict(block=1 << 16), dict(block=48), dict(num_warps=3), dict(bins=8), dict(reg_pools=100)):
+    for bad in (dict(block=1 << 15), dict(block=1 << 16), dict(block=48), dict(num_warps=3), dict(bins=8),
+                dict(reg_pools=100)):
         with pytest.raises(ValueError, match="bad triton top-k tuning"):
             topk_rows.Tuning(**bad)
 

@@ -80,11 +80,11 @@ from .order_tl import append_at_least, order_key, take_th_key, write_sorted
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Launch shape: BLOCK scores per step of a walk (at most 2**14: a step's two counts
-    share a signed 32-bit word, the second shifted by 16 bits), warps per program, NB bins per level, SMALL the edge size sorted in the
-    short form, REG the longest row held in registers (0: none), floor_maxima the most
-    group maxima of a row held in registers for its floor (0: none). Defaults: the
-    fastest shape measured for prefill chunks (docs/benchmarks.md), but for
-    ``reg_pools``, which ``DEFAULT`` turns off."""
+    share a signed 32-bit word, the second shifted by 16 bits), warps per program, NB
+    bins per level, SMALL the edge size sorted in the short form, REG the longest row
+    held in registers (0: none), floor_maxima the most group maxima of a row held in
+    registers for its floor (0: none). Defaults: the fastest shape measured for prefill
+    chunks (docs/benchmarks.md), but for ``reg_pools``, which ``DEFAULT`` turns off."""
     block: int = 512
     num_warps: int = 4
     bins: int = 32
