@@ -102,9 +102,9 @@ def triton_logits_only(s, q8, table, k):
     chunk = workspace.rows_per_chunk(q8.shape[1], n_cols, k)
 
     def f(cache, q, ww, cx):
-        def rows(q_, w_, c_):
-            return tc.paged_logits(cache, s, q_, w_, table, c_, fill=False, tune=tc.PREFILL)[..., :1]
-        return ref.map_query_rows(rows, chunk, q, ww, cx)
+        def rows(first, c_):
+            return tc.paged_logits(cache, s, q, ww, table, c_, fill=False, tune=tc.PREFILL, first_row=first)[..., :1]
+        return ref.map_query_rows(rows, chunk, cx, window_start=True)
     return jax.jit(f)
 
 

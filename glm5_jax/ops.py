@@ -799,20 +799,21 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
                                          tokens_per_row=tokens_per_row)
 
     def pool_ids(ctx, k):                                      # prefill chunks: one program per row
-        def rows(q, w, cx):                                    # [B, chunk] rows -> [B, chunk, k] pool ids
-            bb, cn = cx.shape
+        def rows(first, cx):                                   # [B, chunk] rows -> [B, chunk, k] pool ids
+            bb, cn = cx.shape                                  # (the kernel reads q8 / weights at first ..)
             tune = tc_topk.DEFAULT
             if not tc_topk.needs_maxima(n_cols, tune):         # every row fits the register form
-                lg = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, tune=tc_logits.PREFILL)
+                lg = tc_logits.paged_logits(cache, s, q8, weights, page_table_pages, cx, fill=False,
+                                            tune=tc_logits.PREFILL, first_row=first)
                 ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, tune=tune)
             else:
-                lg, mx = tc_logits.paged_logits(cache, s, q, w, page_table_pages, cx, fill=False, maxima=True,
-                                                tune=tc_logits.PREFILL)
+                lg, mx = tc_logits.paged_logits(cache, s, q8, weights, page_table_pages, cx, fill=False, maxima=True,
+                                                tune=tc_logits.PREFILL, first_row=first)
                 ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, mx.reshape(bb * cn, -1),
                                          tune=tune)
             return ids.reshape(bb, cn, k)
 
-        return ref.map_query_rows(rows, chunk_of(k), q8, weights, ctx)
+        return ref.map_query_rows(rows, chunk_of(k), ctx, window_start=True)
 
     def token_ids(pos, k):                                     # decode rows: the split top-k, expanded
         if n >= TC_MIN_ROWS:

@@ -430,7 +430,7 @@ def query_row_chunk(n_rows: int, hp: int, n_pools: int, batch: int = 1, budget_b
     return max(1, min(n_rows, budget // per_row))
 
 
-def map_query_rows(fn, chunk: int, *arrays):
+def map_query_rows(fn, chunk: int, *arrays, window_start: bool = False):
     """fn over windows of rows of [B, n, ...] arrays (axis 1), written into one [B, n, ...]
     result: no padded copy of the inputs, no sliced copy of the output.
 
@@ -438,21 +438,31 @@ def map_query_rows(fn, chunk: int, *arrays):
     window i at rows min(i * w, n - w) .. + w: the last window may repeat fewer than
     `windows` rows of the one before it, so fn must give each row the same result
     whatever other rows share its window (every read path's rows are independent).
-    fn maps [B, w, ...] arrays to one [B, w, ...] array.
+    The n rows go in ceil(n / chunk) windows of w = ceil(n / windows) <= chunk rows each,
+    window i at rows min(i * w, n - w) .. + w: the last window may repeat fewer than
+    `windows` rows of the one before it, so fn must give each row the same result
+    whatever other rows share its window (every read path's rows are independent).
+    fn maps [B, w, ...] arrays to one [B, w, ...] array; with ``window_start`` it is
+    called as fn(first_row, *windows), first_row the window's first row (int32; 0 for
+    one call over all rows), so that it can read other [B, n, ...] arrays at those rows
+    itself.
     """
     n = arrays[0].shape[1]
+    lead = (jnp.int32(0),) if window_start else ()
     if chunk >= n:
-        return fn(*arrays)
+        return fn(*lead, *arrays)
     n_windows = -(-n // chunk)
     window_rows = -(-n // n_windows)
-    part = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(a.shape[:1] + (window_rows,) + a.shape[2:], a.dtype)
-                                for a in arrays))
+    part = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((), jnp.int32),) * window_start,
+                          *(jax.ShapeDtypeStruct(a.shape[:1] + (window_rows,) + a.shape[2:], a.dtype)
+                            for a in arrays))
     if not isinstance(part, jax.ShapeDtypeStruct) or part.shape[1] != window_rows:
         raise ValueError(f"map_query_rows: fn must return one [B, {window_rows}, ...] array, got {part}")
 
     def window(i, out):                                  # out: [B, n, ...]
-        first_row = jnp.minimum(i * window_rows, n - window_rows)
-        y = fn(*(_lax.dynamic_slice_in_dim(a, first_row, window_rows, axis=1) for a in arrays))
+        first_row = jnp.minimum(i * window_rows, n - window_rows).astype(jnp.int32)
+        y = fn(*((first_row,) if window_start else ()),
+               *(_lax.dynamic_slice_in_dim(a, first_row, window_rows, axis=1) for a in arrays))
         return _lax.dynamic_update_slice_in_dim(out, y, first_row, axis=1)
 
     out = jnp.zeros(part.shape[:1] + (n,) + part.shape[2:], part.dtype)

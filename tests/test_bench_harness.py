@@ -431,7 +431,7 @@ def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypat
 
     seen, differ = [], []
 
-    def paged_logits(c, s, q, w, table, ctx, fill, maxima=False, tune=None):
+    def paged_logits(c, s, q, w, table, ctx, fill, maxima=False, tune=None, first_row=None):
         seen.append((tune.pages, maxima))
         n = table.shape[1] * s.page_rows
         cols = jnp.arange(n, dtype=jnp.float32)

@@ -786,6 +786,16 @@ def test_map_query_rows_gives_each_row_fns_result(rng, n, chunk):
     if chunk < n:
         with pytest.raises(ValueError, match="must return one"):
             ref.map_query_rows(lambda xs, ps: jnp.concatenate([ps, ps], axis=1), chunk, x, pos)
+    # window_start: fn reads the whole x at its window's rows itself
+    starts = []
+
+    def fn_at(first, ps):                                   # first: the window's first row
+        starts.append(first)
+        return fn(jax.lax.dynamic_slice_in_dim(x, first, ps.shape[1], axis=1), ps)
+
+    got = np.asarray(jax.jit(lambda p: ref.map_query_rows(fn_at, chunk, p, window_start=True))(pos))
+    np.testing.assert_array_equal(got, want)
+    assert starts and set(widths) == {expect}
 
 
 def test_map_query_rows_copies_no_whole_input(rng):

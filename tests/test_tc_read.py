@@ -978,6 +978,37 @@ def test_tc_logits_maxima_are_the_group_maxima(rng, case):
                     np.testing.assert_array_equal(lg[b, i, :ctx[b, i]], plain[b, i, :ctx[b, i]])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TC_CASES[:2])
+def test_tc_logits_of_a_window_of_rows_equal_those_rows(rng, case):
+    """paged_logits(first_row=f) over the context of rows f .. f + c - 1 reads those rows
+    of the whole queries and weights: the logits and maxima equal the whole call's rows,
+    bit for bit, at windows from row 0, across a program's rows and ending at the last
+    row; a window that does not fit, or rows that differ without first_row, are refused."""
+    _require_triton()
+    from pallas_kernels.triton_lang import prefill_logits
+    layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=2, n=45, **case)
+    f = jax.jit(lambda c, q, w, t, x, first: prefill_logits.paged_logits(c, s, q, w, t, x, fill=False, maxima=True,
+                                                                          first_row=first))
+    whole_lg, whole_mx = (np.asarray(a) for a in jax.jit(
+        lambda c, q, w, t, x: prefill_logits.paged_logits(c, s, q, w, t, x, fill=False, maxima=True))(
+            cache, q8, wf, jnp.asarray(table), jnp.asarray(ctx)))
+    last = np.array([max(workspace.group_columns(g)) for g in range(whole_mx.shape[-1])])
+    for first, c in ((0, 16), (5, 11), (45 - 13, 13), (int(rng.integers(1, 30)), 15)):
+        lg, mx = (np.asarray(a) for a in f(cache, q8, wf, jnp.asarray(table), jnp.asarray(ctx[:, first:first + c]),
+                                           jnp.int32(first)))
+        for b in range(2):
+            for i in range(c):
+                n_ctx = int(ctx[b, first + i])
+                np.testing.assert_array_equal(lg[b, i, :n_ctx], whole_lg[b, first + i, :n_ctx])
+                np.testing.assert_array_equal(mx[b, i, last < n_ctx], whole_mx[b, first + i, last < n_ctx])
+    with pytest.raises(ValueError, match="does not fit"):
+        prefill_logits.paged_logits(cache, s, q8[:, :4], wf[:, :4], jnp.asarray(table), jnp.asarray(ctx[:, :5]),
+                                    first_row=jnp.int32(0))
+    with pytest.raises(ValueError, match="give first_row"):
+        prefill_logits.paged_logits(cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx[:, :5]))
+
+
 def _select(layout, layer, impl, ws=None):
     return jax.jit(lambda c, q, w, t, p: ops.select_tokens(c, layout, layer, q, w, t, p, short_context=False,
                                                            implementation=impl, workspace_bytes=ws))

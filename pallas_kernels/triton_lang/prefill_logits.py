@@ -85,16 +85,18 @@ def _word_index(row, col, VIEW_COLS: tl.constexpr):
 
 
 @triton.jit
-def paged_logits_kernel(n, n_cols, n_pages, n_groups,
-                        ctx_ptr, q_ptr, w_ptr, pages_ptr, cache_ptr, out_ptr, max_ptr, zero_ptr,
+def paged_logits_kernel(n, n_q, n_cols, n_pages, n_groups,
+                        ctx_ptr, first_ptr, q_ptr, w_ptr, pages_ptr, cache_ptr, out_ptr, max_ptr, zero_ptr,
                         HP: tl.constexpr, P: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr,
                         PAGES: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr, FILL: tl.constexpr,
                         MAXIMA: tl.constexpr, MG: tl.constexpr, POS_R: tl.constexpr, ZEROS: tl.constexpr,
                         KEY_WORDS: tl.constexpr, VIEW_COLS: tl.constexpr):
-    # n, n_cols, n_pages, n_groups: i32 query rows per request, output columns (n_pages * P),
-    # page-table columns, group maxima per row (workspace.maxima_cols(n_cols))
+    # n, n_q, n_cols, n_pages, n_groups: i32 query rows per request (the window), rows per
+    # request of q and w, output columns (n_pages * P), page-table columns, group maxima
+    # per row (workspace.maxima_cols(n_cols))
     # ctx: [B, n] i32 visible pools, or with POS_R > 0 positions (-1: padding), the row seeing
-    # (p + 1) // POS_R pools; q: [B * n * HP, 128] u8 (e4m3 codes); w: [B * n * HP] f32;
+    # (p + 1) // POS_R pools; first: [1] i32, the window's first row in q and w (window row i
+    # is q row first + i); q: [B * n_q * HP, 128] u8 (e4m3 codes); w: [B * n_q * HP] f32;
     # pages: [B, n_pages, 4] i32 (addressing.page_entries); cache: [total_words] u32 (read only);
     # out: [B, n, n_cols] f32; max: [B, n, n_groups] u32 (written with MAXIMA); zero: [B, n] i32
     # (written with ZEROS, by the programs of the first page-table columns: 0 per row)
@@ -105,6 +107,7 @@ def paged_logits_kernel(n, n_cols, n_pages, n_groups,
     rows = row0 + tl.arange(0, BQ)
     row_ok = rows < n
     brow = b.to(tl.int64) * n
+    qbase = b.to(tl.int64) * n_q + tl.load(first_ptr)          # q and w row of window row 0
     if POS_R > 0:
         ctx = row_tokens(tl.load(ctx_ptr + brow + rows, mask=row_ok, other=-1)) // POS_R        # [BQ]
     else:
@@ -126,9 +129,9 @@ def paged_logits_kernel(n, n_cols, n_pages, n_groups,
         c = tl.arange(0, N)
         qrow = tl.minimum(row0 + c // HP, n - 1)               # rows past n re-read row n - 1, weight 0
         d = tl.arange(0, 128)
-        qb = tl.load(q_ptr + ((brow + qrow) * HP + c % HP)[:, None] * 128 + d[None, :])
+        qb = tl.load(q_ptr + ((qbase + qrow) * HP + c % HP)[:, None] * 128 + d[None, :])
         q = qb.to(tl.float8e4nv, bitcast=True)                  # [N, 128]
-        w = tl.load(w_ptr + (brow + qrow) * HP + c % HP, mask=(row0 + c // HP) < n, other=0.0)   # [N]
+        w = tl.load(w_ptr + (qbase + qrow) * HP + c % HP, mask=(row0 + c // HP) < n, other=0.0)   # [N]
         if DOT == 0:
             qd = q.to(tl.float16)
         else:
@@ -215,9 +218,11 @@ def launch_shape(s: CacheStrides, hp: int, n: int, max_pages: int, tune: Tuning,
                                              "counters"))
 def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_pools, *, fill: bool = True,
                  maxima: bool = False, maxima_pools: int = workspace.MAXIMA_GROUP_POOLS, tune: Tuning = Tuning(),
-                 positions_kpool: int = 0, counters: bool = False):
-    """cache: [total_words] u32; q8: [B, n, Hp, 128] e4m3fn; weights: [B, n, Hp] f32;
-    page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32, or with
+                 positions_kpool: int = 0, counters: bool = False, first_row=None):
+    """cache: [total_words] u32; q8: [B, n_q, Hp, 128] e4m3fn; weights: [B, n_q, Hp] f32;
+    page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32 for the query rows
+    first_row .. first_row + n - 1 of q8 and weights (first_row: an int32 scalar, traced
+    or not, with first_row + n <= n_q; None: n_q = n and the rows from 0), or with
     ``positions_kpool`` = kpool each row's position (-1: padding), the row seeing
     (p + 1) // kpool pools (the decode path reads positions as they come: no XLA kernel
     computes the contexts).
@@ -227,7 +232,14 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
     ``order_key`` of the logits in ``workspace.group_columns(g)``; with 64, entry s that
     of columns 64 s .. 64 s + 63; with ``counters`` last [B, n] i32 zeros, written by
     the kernel: the split top-k's candidate counters, without a launch of their own."""
-    b, n, hp, _ = q8.shape
+    b, n_q, hp, _ = q8.shape
+    n = context_pools.shape[1]
+    if first_row is None:
+        if n != n_q:
+            raise ValueError(f"context_pools has {n} rows and q8 {n_q}: give first_row for a window of q8's rows")
+        first_row = 0
+    elif n > n_q:
+        raise ValueError(f"a window of {n} rows does not fit q8's {n_q}")
     max_pages = page_table_pages.shape[1]
     check_geometry(s, hp)
     n_cols = addr.pools_in_pages(s, max_pages)
@@ -239,13 +251,14 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
                jnp.full((b, n, n_groups), NEG_INF_KEY.value, jnp.uint32), jnp.zeros((b, n), jnp.int32))
     else:
         grid, consts = launch_shape(s, hp, n, max_pages, tune, batch=b)
-        q_codes = jax.lax.bitcast_convert_type(q8, jnp.uint8).reshape(b * n * hp, nm.HEAD_DIM)
+        q_codes = jax.lax.bitcast_convert_type(q8, jnp.uint8).reshape(b * n_q * hp, nm.HEAD_DIM)
+        first = jnp.reshape(jnp.asarray(first_row, jnp.int32), (1,))
         shapes = (jax.ShapeDtypeStruct((b, n, n_cols), jnp.float32),
                   jax.ShapeDtypeStruct((b, n, n_groups) if maxima else (1,), jnp.uint32),
                   jax.ShapeDtypeStruct((b, n) if counters else (1,), jnp.int32))
         out = _call.run_read(
-            paged_logits_kernel, (n, n_cols, max_pages, n_groups),
-            (context_pools.astype(jnp.int32), q_codes, weights.astype(jnp.float32).reshape(-1),
+            paged_logits_kernel, (n, n_q, n_cols, max_pages, n_groups),
+            (context_pools.astype(jnp.int32), first, q_codes, weights.astype(jnp.float32).reshape(-1),
              addr.page_entries(s, page_table_pages.astype(jnp.int32)), cache),
             shapes, grid=grid + (b,), num_warps=tune.num_warps, num_stages=tune.stages,
             name="kpool_paged_logits_tc",

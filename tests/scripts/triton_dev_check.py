@@ -476,8 +476,9 @@ def check_prefill_logits(rng):
     and page entries, the kernel in the interpreter, outputs sentinel-filled) against
     the exact logits of test_tc_read.golden: every element written with ``fill`` (-inf
     exactly outside each row's context), each within the contract's bound E, the
-    group maxima equal to those of the kernel's own logits, and without ``fill`` the
-    same logits and maxima below each row's context. The interpreter's dot is numpy's,
+    group maxima equal to those of the kernel's own logits, without ``fill`` the same
+    logits and maxima below each row's context, and a window of rows (``first_row``)
+    within E of those rows' exact logits. The interpreter's dot is numpy's,
     not wgmma: this checks the addressing, masks and maxima, not the GPU's rounding."""
     from pallas_kernels.read import workspace
     from pallas_kernels.triton_lang import prefill_logits as pl
@@ -506,7 +507,15 @@ def check_prefill_logits(rng):
                         seen_ok &= np.array_equal(lg0[b, i, :c], lg[b, i, :c])
                         seen_ok &= np.array_equal(mx0[b, i, last < c], mx[b, i, last < c])
                 errs.append(bool(seen_ok))
-                names = ("written, -inf outside the context", "within E", "maxima", "without fill")
+                # a window of rows read from the whole queries (first_row), as select_tokens' chunks do
+                first, c = 5, 11
+                with jax.disable_jit():
+                    lgw = np.asarray(pl.paged_logits(args[0], s, q8, wf, args[4], jnp.asarray(ctx[:, first:first + c]),
+                                                     fill=True, tune=tune, first_row=jnp.int32(first)))
+                gw, ew = gold[:, first:first + c], e[:, first:first + c]
+                fw = np.isfinite(gw)
+                errs.append(np.array_equal(np.isneginf(lgw), ~fw) and bool((np.abs(lgw[fw] - gw[fw]) <= ew[fw]).all()))
+                names = ("written, -inf outside the context", "within E", "maxima", "without fill", "a window of rows")
                 failed = [nm for nm, ok in zip(names, errs) if not ok]
                 bad += len(failed)
                 print(f"  prefill logits {label} {tname}: {'ok' if not failed else 'DIFFERS: ' + ', '.join(failed)}")
