@@ -586,8 +586,8 @@ def check_compile():
 
 
 def read_launches():
-    """(label, captured run_read call) of the top-k launches the ops make at one shape
-    each: run_read is replaced by a recorder that returns zeros of the output shapes,
+    """(label, captured run_read call) of the top-k launches and the prefill logits
+    launch the ops make at one shape each: run_read is replaced by a recorder that returns zeros of the output shapes,
     and the jitted wrappers are traced with jax.eval_shape (nothing runs)."""
     from pallas_kernels.read import workspace
     from pallas_kernels.triton_lang import _call, dense_topk, split_topk, topk_rows
@@ -618,6 +618,15 @@ def read_launches():
             f32(1, 8192), i32(1), k, u32(1, workspace.maxima_cols(8192)), workspace.MAXIMA_GROUP_POOLS, 4,
             i32(1))),
     ]
+    from glm5_jax.config import IndexerConfig
+    from glm5_jax.layout import CacheLayout
+    from pallas_kernels.triton_lang import prefill_logits
+    layout = CacheLayout(IndexerConfig(block_size=1152), num_layers=1, num_blocks=64)
+    st, tokens, pages = layout.strides(0), 32768, 256                # 256 pages x 32 rows: 8,192 pools
+    cases.append(("prefill logits, a 32k prefill's window of rows", lambda: prefill_logits.paged_logits(
+        u32(layout.total_words), st, jax.ShapeDtypeStruct((1, tokens, 32, 128), jnp.float8_e4m3fn),
+        f32(1, tokens, 32), i32(1, pages), i32(1, rows), fill=False, maxima=True, tune=prefill_logits.PREFILL,
+        first_row=i32())))
     saved = _call.run_read
     _call.run_read = record
     try:
