@@ -7,6 +7,10 @@
     after the prefills: the higher of the two);
   * the Triton path split into its logits and its top-k (the logits alone: the same
     chunks with the top-k left out);
+  * the implementations in --chained (default triton) also as 4 dependent calls in
+    one jit, per call: one call's wall time includes the host's dispatch of the
+    program and the wait for its end, which a jitted serving step pays once for
+    all its layers;
   * top-k of [64, 131072] scores, k = 512 and 2048, against reading the scores once;
   * with --mosaic, JAX's Mosaic GPU Hopper matmul example on the same product (f16);
   * with --shapes, the row top-k's shapes (with or without the register form for
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -108,7 +113,10 @@ def triton_logits_only(s, q8, table, k):
     return jax.jit(f)
 
 
-def bench_prefill(cfg, tokens, impls, mm, quick):
+CHAINED_CALLS = 4
+
+
+def bench_prefill(cfg, tokens, impls, mm, quick, chained=()):
     layout, cache, table, key, heads = read_case(cfg, 1, tokens)
     s = layout.strides(0)
     q8, w = queries(key, 1, tokens, heads)
@@ -120,17 +128,21 @@ def bench_prefill(cfg, tokens, impls, mm, quick):
     for impl in impls:
         if impl == "xla" and big:
             continue
-        f = jax.jit(lambda c, q, ww, t, p, impl=impl: ops.select_tokens(c, layout, 0, q, ww, t, p,
-                                                                         short_context=False, implementation=impl))
-        res[impl] = wall(f, cache, q8, w, table, pos, trials=1 if (big or quick) else 3)
+        sel = functools.partial(lambda c, q, ww, t, p, impl: ops.select_tokens(
+            c, layout, 0, q, ww, t, p, short_context=False, implementation=impl), impl=impl)
+        res[impl] = wall(jax.jit(sel), cache, q8, w, table, pos, trials=1 if (big or quick) else 3)
+        if impl in chained:                                  # the host's per-call dispatch shared by the chain
+            res[f"{impl}, {CHAINED_CALLS} calls chained in one jit"] = time_read(
+                sel, (cache, q8, w, table, pos), reps=CHAINED_CALLS, trials=1 if (big or quick) else 3, fixed=1,
+                perturb=(4,))
     if "triton" in impls:
         lg = triton_logits_only(s, q8, table, cfg.topk_pools)
         res["triton: logits only"] = wall(lg, cache, q8, w, (pos + 1) // cfg.kpool, trials=1 if big else 3)
     for name, t in res.items():
         rows.append(dict(kind="prefill", case=f"1 x {tokens // 1024}k", impl=name, ms=t * 1e3,
                          tflops=flops / t / 1e12, x_matmul=flops / t / mm,
-                         vs_xla=res["xla"] / t if "xla" in res else None,
-                         vs_pallas=res["pallas"] / t if "pallas" in res else None))
+                         vs_xla=res["xla"] / t if "xla" in res and name in impls else None,
+                         vs_pallas=res["pallas"] / t if "pallas" in res and name in impls else None))
     return rows
 
 
@@ -318,6 +330,9 @@ def main(argv=None):
     ap.add_argument("--logits-pages", type=int, nargs="+", metavar="PAGES",
                     help="the prefill logits' page-table columns per program to compare, powers of two "
                          "from 2 (GPU; e.g. 64 128 256)")
+    ap.add_argument("--chained", default="triton",
+                    help=f"implementations also timed as {CHAINED_CALLS} dependent calls in one jit (per call), "
+                         "as a jitted serving step runs them: the host's dispatch of one call shared; '' for none")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.logits_pages and (len(set(a.logits_pages)) != len(a.logits_pages)
@@ -334,7 +349,7 @@ def main(argv=None):
     mm_first = matmul_rate(512 if a.quick else 8192)
     out = []
     for tokens in prefills:
-        out += bench_prefill(cfg, tokens, impls, mm_first, a.quick)
+        out += bench_prefill(cfg, tokens, impls, mm_first, a.quick, [c for c in a.chained.split(",") if c])
     # the rate again with the clocks as the prefills left them; ratios against the higher
     mm = max(mm_first, matmul_rate(512 if a.quick else 8192))
     print(f"bf16 matmul (XLA jnp.dot): {mm_first / 1e12:.0f} TFLOP/s first, {mm / 1e12:.0f} the higher")

@@ -7,6 +7,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -404,6 +405,37 @@ def test_bench_prefill_profile_runs_the_first_and_last_chunks(monkeypatch, capsy
         got_rows, q, ww, ctx = bp.chunk_rows(cfg, layout, table, q8, w, last)
         assert got_rows == rows and q.shape[1] == ww.shape[1] == rows
         np.testing.assert_array_equal(np.asarray(ctx[0]), (np.arange(lo, lo + rows) + 1) // cfg.kpool)
+
+
+def test_bench_prefill_times_the_chained_implementations_per_call(monkeypatch):
+    """bench_prefill.py --chained: each named implementation also goes through
+    time_read (CHAINED_CALLS dependent calls in one jit, the cache fixed, the positions
+    perturbed) with the same select_tokens call as its wall-time row; that row carries
+    no ratio against the other implementations' single calls, and an implementation
+    not named gets no such row."""
+    import bench_prefill as bp
+    from glm5_jax.config import IndexerConfig
+
+    chained_calls = []
+
+    def time_read(f, args, reps=10, trials=5, fixed=0, perturb=None):
+        chained_calls.append(dict(f=f, args=args, reps=reps, fixed=fixed, perturb=perturb))
+        return 2e-3
+
+    walled = []
+    monkeypatch.setattr(bp, "wall", lambda f, *a, trials=3: walled.append((f, a)) or 1e-3)
+    monkeypatch.setattr(bp, "time_read", time_read)
+    out = bp.bench_prefill(IndexerConfig(), 64, ["pallas", "xla"], 1e12, True, chained=["xla"])
+    assert [r["impl"] for r in out] == ["pallas", "xla", f"xla, {bp.CHAINED_CALLS} calls chained in one jit"]
+    assert out[2]["ms"] == 2.0 and out[2]["vs_xla"] is None and out[2]["vs_pallas"] is None
+    assert out[1]["vs_pallas"] == 1.0
+    (c,) = chained_calls
+    assert c["reps"] == bp.CHAINED_CALLS and c["fixed"] == 1 and c["perturb"] == (4,)
+    cache, q8, w, table, pos = c["args"]
+    assert pos.shape == (1, 64) and pos.dtype == jnp.int32
+    assert c["f"].keywords == {"impl": "xla"}
+    f, a = walled[1]                                        # the xla row's call
+    np.testing.assert_array_equal(np.asarray(jax.jit(c["f"])(*c["args"])), np.asarray(f(*a)))
 
 
 @pytest.mark.parametrize("maxima", [True, False])
