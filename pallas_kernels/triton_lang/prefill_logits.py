@@ -1,6 +1,8 @@
 """Triton kernel: paged indexer logits on Hopper's tensor cores (docs/semantics.md 2.4, 5.7).
 
-    logit[b, i, m] = sum_h w'[b, i, h] * relu(dot(q8[b, i, h], K8[m]) * kscale[m])   for m < ctx[b, i]
+    logit[b, i, m] = sum_h w'[b, f + i, h] * relu(dot(q8[b, f + i, h], K8[m]) * kscale[m])   for m < ctx[b, i]
+
+(f: the first query row of a window of rows, ``first_row``; 0 for all of them.)
 
 Pool m of request b is row m % P of page page_table[b, m // P].
 
@@ -221,8 +223,9 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
                  positions_kpool: int = 0, counters: bool = False, first_row=None):
     """cache: [total_words] u32; q8: [B, n_q, Hp, 128] e4m3fn; weights: [B, n_q, Hp] f32;
     page_table_pages: [B, max_pages] i32; context_pools: [B, n] i32 for the query rows
-    first_row .. first_row + n - 1 of q8 and weights (first_row: an int32 scalar, traced
-    or not, with first_row + n <= n_q; None: n_q = n and the rows from 0), or with
+    first_row .. first_row + n - 1 of q8 and weights (first_row: an integer scalar, traced
+    or not, clamped to 0 .. n_q - n as ``lax.dynamic_slice`` clamps its start; None:
+    n_q = n and the rows from 0), or with
     ``positions_kpool`` = kpool each row's position (-1: padding), the row seeing
     (p + 1) // kpool pools (the decode path reads positions as they come: no XLA kernel
     computes the contexts).
@@ -234,12 +237,18 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
     the kernel: the split top-k's candidate counters, without a launch of their own."""
     b, n_q, hp, _ = q8.shape
     n = context_pools.shape[1]
+    if weights.shape != (b, n_q, hp) or context_pools.shape[0] != b or page_table_pages.shape[0] != b:
+        raise ValueError(f"weights {weights.shape}, context_pools {context_pools.shape} and page_table_pages "
+                         f"{page_table_pages.shape} must follow q8 {q8.shape}: weights [B, n_q, Hp], B rows each")
     if first_row is None:
         if n != n_q:
             raise ValueError(f"context_pools has {n} rows and q8 {n_q}: give first_row for a window of q8's rows")
         first_row = 0
     elif n > n_q:
         raise ValueError(f"a window of {n} rows does not fit q8's {n_q}")
+    elif jnp.ndim(first_row) != 0 or not jnp.issubdtype(jnp.result_type(first_row), jnp.integer):
+        raise ValueError(f"first_row must be an integer scalar, got {jnp.result_type(first_row)} "
+                         f"of shape {jnp.shape(first_row)}")
     max_pages = page_table_pages.shape[1]
     check_geometry(s, hp)
     n_cols = addr.pools_in_pages(s, max_pages)
@@ -252,7 +261,7 @@ def paged_logits(cache, s: CacheStrides, q8, weights, page_table_pages, context_
     else:
         grid, consts = launch_shape(s, hp, n, max_pages, tune, batch=b)
         q_codes = jax.lax.bitcast_convert_type(q8, jnp.uint8).reshape(b * n_q * hp, nm.HEAD_DIM)
-        first = jnp.reshape(jnp.asarray(first_row, jnp.int32), (1,))
+        first = jnp.reshape(jnp.clip(jnp.asarray(first_row, jnp.int32), 0, n_q - n), (1,))
         shapes = (jax.ShapeDtypeStruct((b, n, n_cols), jnp.float32),
                   jax.ShapeDtypeStruct((b, n, n_groups) if maxima else (1,), jnp.uint32),
                   jax.ShapeDtypeStruct((b, n) if counters else (1,), jnp.int32))

@@ -478,7 +478,8 @@ def check_prefill_logits(rng):
     exactly outside each row's context), each within the contract's bound E, the
     group maxima equal to those of the kernel's own logits, without ``fill`` the same
     logits and maxima below each row's context, and a window of rows (``first_row``)
-    within E of those rows' exact logits. The interpreter's dot is numpy's,
+    within E of those rows' exact logits, a first row past the last window clamped to
+    it, a float first row refused. The interpreter's dot is numpy's,
     not wgmma: this checks the addressing, masks and maxima, not the GPU's rounding."""
     from pallas_kernels.read import workspace
     from pallas_kernels.triton_lang import prefill_logits as pl
@@ -515,7 +516,22 @@ def check_prefill_logits(rng):
                 gw, ew = gold[:, first:first + c], e[:, first:first + c]
                 fw = np.isfinite(gw)
                 errs.append(np.array_equal(np.isneginf(lgw), ~fw) and bool((np.abs(lgw[fw] - gw[fw]) <= ew[fw]).all()))
-                names = ("written, -inf outside the context", "within E", "maxima", "without fill", "a window of rows")
+                # a first row past the last window clamps to it, as lax.dynamic_slice clamps; a float one is refused
+                n_q = q8.shape[1]
+                with jax.disable_jit():
+                    lgc = np.asarray(pl.paged_logits(args[0], s, q8, wf, args[4], jnp.asarray(ctx[:, n_q - c:]),
+                                                     fill=True, tune=tune, first_row=jnp.int32(n_q - c + 7)))
+                gc, ec = gold[:, n_q - c:], e[:, n_q - c:]
+                fc = np.isfinite(gc)
+                clamped = np.array_equal(np.isneginf(lgc), ~fc) and bool((np.abs(lgc[fc] - gc[fc]) <= ec[fc]).all())
+                try:
+                    pl.paged_logits(args[0], s, q8, wf, args[4], jnp.asarray(ctx[:, :c]), first_row=1.0)
+                    clamped = False
+                except ValueError as err:
+                    clamped &= "integer scalar" in str(err)
+                errs.append(clamped)
+                names = ("written, -inf outside the context", "within E", "maxima", "without fill", "a window of rows",
+                         "the first row clamped, a float refused")
                 failed = [nm for nm, ok in zip(names, errs) if not ok]
                 bad += len(failed)
                 print(f"  prefill logits {label} {tname}: {'ok' if not failed else 'DIFFERS: ' + ', '.join(failed)}")
@@ -587,8 +603,9 @@ def check_compile():
 
 def read_launches():
     """(label, captured run_read call) of the top-k launches and the prefill logits
-    launch the ops make at one shape each: run_read is replaced by a recorder that returns zeros of the output shapes,
-    and the jitted wrappers are traced with jax.eval_shape (nothing runs)."""
+    launch the ops make at one shape each: run_read is replaced by a recorder that
+    returns zeros of the output shapes, and the jitted wrappers are traced with
+    jax.eval_shape (nothing runs)."""
     from pallas_kernels.read import workspace
     from pallas_kernels.triton_lang import _call, dense_topk, split_topk, topk_rows
     recorded = []
@@ -623,10 +640,11 @@ def read_launches():
     from pallas_kernels.triton_lang import prefill_logits
     layout = CacheLayout(IndexerConfig(block_size=1152), num_layers=1, num_blocks=64)
     st, tokens, pages = layout.strides(0), 32768, 256                # 256 pages x 32 rows: 8,192 pools
+    window_rows = -(-tokens // -(-tokens // rows))                    # 3 windows of 10,923 rows
     cases.append(("prefill logits, a 32k prefill's window of rows", lambda: prefill_logits.paged_logits(
         u32(layout.total_words), st, jax.ShapeDtypeStruct((1, tokens, 32, 128), jnp.float8_e4m3fn),
-        f32(1, tokens, 32), i32(1, pages), i32(1, rows), fill=False, maxima=True, tune=prefill_logits.PREFILL,
-        first_row=i32())))
+        f32(1, tokens, 32), i32(1, pages), i32(1, window_rows), fill=False, maxima=True,
+        tune=prefill_logits.PREFILL, first_row=i32())))
     saved = _call.run_read
     _call.run_read = record
     try:
