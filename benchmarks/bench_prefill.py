@@ -141,8 +141,8 @@ def bench_prefill(cfg, tokens, impls, mm, quick, chained=()):
     for name, t in res.items():
         rows.append(dict(kind="prefill", case=f"1 x {tokens // 1024}k", impl=name, ms=t * 1e3,
                          tflops=flops / t / 1e12, x_matmul=flops / t / mm,
-                         vs_xla=res["xla"] / t if "xla" in res and name in impls else None,
-                         vs_pallas=res["pallas"] / t if "pallas" in res and name in impls else None))
+                         vs_xla=res["xla"] / t if "xla" in res and "chained" not in name else None,
+                         vs_pallas=res["pallas"] / t if "pallas" in res and "chained" not in name else None))
     return rows
 
 
@@ -335,6 +335,10 @@ def main(argv=None):
                          "as a jitted serving step runs them: the host's dispatch of one call shared; '' for none")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    known = ("triton", "pallas", "xla")
+    unknown = [i for i in a.impls.split(",") + a.chained.split(",") if i and i not in known]
+    if unknown:
+        ap.error(f"--impls / --chained: implementations among {', '.join(known)}, got {unknown}")
     if a.logits_pages and (len(set(a.logits_pages)) != len(a.logits_pages)
                            or any(p < 2 or p & (p - 1) for p in a.logits_pages)):
         ap.error(f"--logits-pages: distinct powers of two from 2, got {a.logits_pages}")

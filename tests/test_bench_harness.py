@@ -436,6 +436,8 @@ def test_bench_prefill_times_the_chained_implementations_per_call(monkeypatch):
     assert c["f"].keywords == {"impl": "xla"}
     f, a = walled[1]                                        # the xla row's call
     np.testing.assert_array_equal(np.asarray(jax.jit(c["f"])(*c["args"])), np.asarray(f(*a)))
+    with pytest.raises(SystemExit):                         # a misspelt name is refused, not skipped
+        bp.main(["--quick", "--chained", "tritn"])
 
 
 @pytest.mark.parametrize("maxima", [True, False])
