@@ -800,7 +800,8 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
 
     def pool_ids(ctx, k):                                      # prefill chunks: one program per row
         def rows(first, cx):                                   # [B, chunk] rows -> [B, chunk, k] pool ids
-            bb, cn = cx.shape                                  # (the kernel reads q8 / weights at first ..)
+            bb, cn = cx.shape                                  # (the kernel reads rows first .. first + cn - 1
+                                                               # of the whole q8 / weights)
             tune = tc_topk.DEFAULT
             if not tc_topk.needs_maxima(n_cols, tune):         # every row fits the register form
                 lg = tc_logits.paged_logits(cache, s, q8, weights, page_table_pages, cx, fill=False,

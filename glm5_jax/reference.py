@@ -438,10 +438,6 @@ def map_query_rows(fn, chunk: int, *arrays, window_start: bool = False):
     window i at rows min(i * w, n - w) .. + w: the last window may repeat fewer than
     `windows` rows of the one before it, so fn must give each row the same result
     whatever other rows share its window (every read path's rows are independent).
-    The n rows go in ceil(n / chunk) windows of w = ceil(n / windows) <= chunk rows each,
-    window i at rows min(i * w, n - w) .. + w: the last window may repeat fewer than
-    `windows` rows of the one before it, so fn must give each row the same result
-    whatever other rows share its window (every read path's rows are independent).
     fn maps [B, w, ...] arrays to one [B, w, ...] array; with ``window_start`` it is
     called as fn(first_row, *windows), first_row the window's first row (int32; 0 for
     one call over all rows), so that it can read other [B, n, ...] arrays at those rows

@@ -793,6 +793,7 @@ def test_map_query_rows_gives_each_row_fns_result(rng, n, chunk):
         starts.append(first)
         return fn(jax.lax.dynamic_slice_in_dim(x, first, ps.shape[1], axis=1), ps)
 
+    widths.clear()
     got = np.asarray(jax.jit(lambda p: ref.map_query_rows(fn_at, chunk, p, window_start=True))(pos))
     np.testing.assert_array_equal(got, want)
     assert starts and set(widths) == {expect}
