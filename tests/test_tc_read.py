@@ -988,7 +988,9 @@ def test_tc_logits_of_a_window_of_rows_equal_those_rows(rng, case):
     """paged_logits(first_row=f) over the context of rows f .. f + c - 1 reads those rows
     of the whole queries and weights: the logits and maxima equal the whole call's rows,
     bit for bit, at windows from row 0, across a program's rows and ending at the last
-    row; a window that does not fit, or rows that differ without first_row, are refused."""
+    row, and a first row past the last window clamps to it; a window that does not fit,
+    rows that differ without first_row, a float first_row and weights that do not follow
+    q8 are refused."""
     _require_triton()
     from pallas_kernels.triton_lang import prefill_logits
     layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=2, n=45, **case)
@@ -998,9 +1000,11 @@ def test_tc_logits_of_a_window_of_rows_equal_those_rows(rng, case):
         lambda c, q, w, t, x: prefill_logits.paged_logits(c, s, q, w, t, x, fill=False, maxima=True))(
             cache, q8, wf, jnp.asarray(table), jnp.asarray(ctx)))
     last = np.array([max(workspace.group_columns(g)) for g in range(whole_mx.shape[-1])])
-    for first, c in ((0, 16), (5, 11), (45 - 13, 13), (int(rng.integers(1, 30)), 15)):
+    for first, c, asked in ((0, 16, 0), (5, 11, 5), (45 - 13, 13, 45 - 13), (int(rng.integers(1, 30)), 15, None),
+                            (45 - 13, 13, 45 - 13 + 7)):          # asked: the first_row given (past the end: clamped)
+        asked = first if asked is None else asked
         lg, mx = (np.asarray(a) for a in f(cache, q8, wf, jnp.asarray(table), jnp.asarray(ctx[:, first:first + c]),
-                                           jnp.int32(first)))
+                                           jnp.int32(asked)))
         for b in range(2):
             for i in range(c):
                 n_ctx = int(ctx[b, first + i])
@@ -1011,6 +1015,11 @@ def test_tc_logits_of_a_window_of_rows_equal_those_rows(rng, case):
                                     first_row=jnp.int32(0))
     with pytest.raises(ValueError, match="give first_row"):
         prefill_logits.paged_logits(cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx[:, :5]))
+    with pytest.raises(ValueError, match="integer scalar"):
+        prefill_logits.paged_logits(cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx[:, :5]), first_row=1.0)
+    with pytest.raises(ValueError, match="must follow q8"):
+        prefill_logits.paged_logits(cache, s, q8, wf[:, :5], jnp.asarray(table), jnp.asarray(ctx[:, :5]),
+                                    first_row=0)
 
 
 def _select(layout, layer, impl, ws=None):
