@@ -42,7 +42,7 @@ def _kernel(ids_ref, seq_ref, out_ref, *, rows: int, k: int, r: int):
     j = start - row0 * width + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)     # from row0's column 0
     dr = j // width
     c = j - dr * width                                                          # column of each element
-    ok = row0 + dr < rows
+    ok = start + lax.broadcasted_iota(jnp.int32, (BLOCK,), 0) < rows * width      # = row < rows, as flat offsets
     row = jnp.minimum(row0 + dr, rows - 1)
     seq = jnp.maximum(B.gather(seq_ref, jnp.zeros_like(row), row), 0)
     n_pools = seq // r
