@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_read as br  # noqa: E402
 from _timing import copy_bandwidth, profile_calls  # noqa: E402
 from glm5_jax import ops  # noqa: E402
+from glm5_jax import reference as ref  # noqa: E402
 from glm5_jax.config import IndexerConfig  # noqa: E402
 
 BUSY_NAME = "trace_busy"
@@ -209,6 +210,9 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="no trace: one call of each case inside the CUDA profiler's window, for ncu "
                          "--profile-from-start off")
+    ap.add_argument("--expand-rows", type=int, nargs="+", metavar="ROWS",
+                    help="trace nothing else: the expansion kernel on [ROWS, topk_pools] pool ids against a copy "
+                         "of the bytes it moves (e.g. 32768 131072, the rows of a 32k and a 128k prefill)")
     ap.add_argument("--split-shapes", action="store_true",
                     help="no table: the split top-k's launches (decode, implementation='triton') under their "
                          "tuning variants, per kernel, for every --batches x --contexts case")
@@ -221,6 +225,8 @@ def main(argv=None):
         return split_shapes(cfg, a)
     if a.topk_forms:
         return topk_forms(cfg, a)
+    if a.expand_rows:
+        return expansion(cfg, a)
     bw = copy_bandwidth()
     busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
@@ -319,7 +325,6 @@ def split_shapes(cfg, a):
     the table is: the logits kernel's launch shape, the candidate launch's programs
     and the count of candidates (with maxima of 8 and of 64 pools where both fit), then
     candidates + rank; the ids equal the reference's."""
-    from glm5_jax import reference as ref
     from pallas_kernels.read import workspace
     from pallas_kernels.triton_lang import prefill_logits, split_topk
     busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
@@ -404,6 +409,34 @@ def topk_forms(cfg, a):
                      + (f"{s[k, 'rows']:.1f}" if (k, "rows") in s else "-") + f" / pallas {s[k, 'pallas']:.1f}"
                      for k in ks]
             print(f"[{rows}, {n}] read {s['read']:.1f}; " + "; ".join(cells), flush=True)
+
+
+def expansion(cfg, a):
+    """The expansion kernel's traced span per --expand-rows against its copy floor: the
+    bytes it reads (the pool ids) and writes (the token indices) at the rate of an XLA
+    copy of the output's size traced in the same run (one read and one write a word)."""
+    busy, busy_arg = busy_kernel(), jnp.ones((16,), jnp.float32)
+    k, r = cfg.topk_pools, cfg.kpool
+    width = k * r + r - 1
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; "
+          f"{a.calls} calls per row, each behind a busy kernel")
+    rows = []
+    for n_rows in a.expand_rows:
+        seq = jnp.arange(1, n_rows + 1, dtype=jnp.int32)                    # a prefill's rows: row p sees p + 1 tokens
+        ids = jax.random.randint(jax.random.PRNGKey(n_rows), (n_rows, k), -1, n_rows // r + 2, jnp.int32)
+        out = jnp.zeros((n_rows, width), jnp.int32)
+        copy = summarize(trace_calls(jax.jit(lambda x: x + 1), (out,), a.calls, busy, busy_arg))
+        moved_bytes = ids.size * 4 + out.size * 4
+        floor_us = moved_bytes / (2 * out.size * 4 / copy["span_us"])
+        f = jax.jit(lambda i, s_: ops.expand_pools(i, s_, r, implementation="pallas"))
+        got = np.asarray(f(ids, seq))
+        want = np.asarray(ref.expand_pools(ids, seq, r))
+        if not np.array_equal(got, want):
+            raise SystemExit(f"expansion [{n_rows}, {k}]: the kernel differs from the reference")
+        s = summarize(trace_calls(f, (ids, seq), a.calls, busy, busy_arg))
+        rows.append((f"expand [{n_rows}, {k}]", "expand_pools", s,
+                     f"{s['span_us'] / floor_us:.2f}x copy floor ({floor_us:.1f} us)"))
+    print_rows(rows)
 
 
 def print_rows(rows):
