@@ -6,7 +6,7 @@
 # STEPS: the steps to run, in order; the default "tests notebooks writes" is the check of a change:
 # the suite compiled, the notebooks and the write table.
 # The steps, each with its time-limit variable in seconds and that limit's default:
-#   tests         T_S=400   the whole suite compiled (pytest -n $XDIST on tests/ but sharding, notebooks, large cache)
+#   tests         T_S=370   the whole suite compiled (pytest -n $XDIST on tests/ but sharding, notebooks, large cache)
 #   writes-tests  TD_S=120  tests/test_write_kernels.py compiled
 #   notebooks     N_S=100   the notebooks' code cells (tests/scripts/run_notebook_cells.py)
 #   writes        TW_S=120  benchmarks/trace_writes.py: the write kernels' device times against XLA
@@ -21,7 +21,7 @@
 #   sharding      SH_S=240  tests/test_sharding.py on the machine's GPUs (2 or more; the 4-device cases need 4)
 #   scaleout      SO_S=210 DS_S=120  bench_scaleout.py (1 vs N GPUs), then device_step.py (the step program alone)
 # Knobs [defaults] and logs under $OUT, per step:
-#   tests: XDIST [12 on a GPU of 100 GB or more, 8 below: 12 workers ran out of an H100's 80 GB] -> pytest_all.log. writes-tests -> pytest_writes.log. large-cache -> pytest_large.log.
+#   tests: XDIST [12 on a GPU of 100,000 MiB or more, 8 below: 12 workers exceed an H100's 80 GB] -> pytest_all.log. writes-tests -> pytest_writes.log. large-cache -> pytest_large.log.
 #   notebooks: NOTEBOOKS [all] -> notebooks.txt. writes: WRITES_ARGS (more trace_writes.py flags) -> writes.txt.
 #   writes-triton: WRITES_IMPLS [pallas,triton,xla] -> writes-triton.txt.
 #   ncu: CASES [compress decode1 decode4]: compress (TOKENS [131072] tokens), decode1 / decode4 (B = 256,
@@ -63,7 +63,7 @@ step_tests() {
   local mem_mib workers=12
   mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   [[ "$mem_mib" =~ ^[0-9]+$ ]] && (( mem_mib < 100000 )) && workers=8
-  timed "${T_S:-400}" pytest_all.log python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-$workers}" -rfE tests \
+  timed "${T_S:-370}" pytest_all.log python3 -m pytest -v -p no:cacheprovider -n "${XDIST:-$workers}" -rfE tests \
     --ignore=tests/test_sharding.py --ignore=tests/test_notebooks.py \
     --deselect tests/test_triton.py::test_triton_large_cache
   local rc=$?; pytest_summary pytest_all.log 12; return $rc

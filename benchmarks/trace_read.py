@@ -4,6 +4,7 @@ Usage (on the H200):  PYTHONPATH=$PWD python benchmarks/trace_read.py [--calls 2
                       [--contexts 131072] [--xla] [--impls pallas triton] [--topk-cols 131072]
                       [--topk-ks 512 2048] [--topk-forms]
                       [--skip-topk] [--skip-decode] [--profile] [--split-shapes]
+                      [--expand-rows 32768 131072]
 
 bench_read.py times calls chained in one jit, each made to depend on the last by a
 small perturbation of its inputs. Those perturbations are kernels too: its
