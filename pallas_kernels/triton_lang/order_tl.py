@@ -4,7 +4,8 @@
 the Triton top-k and the group maxima the logits kernel writes compare scores
 exactly as the reference's ``order_key`` does. The Triton top-k kernels share
 ``append_at_least`` (the candidate collection), ``take_th_key`` (the exact take-th
-best of keys held in registers) and ``write_sorted`` (the final order).
+best of keys held in registers), ``write_sorted`` (the final order by score) and
+``write_by_pool`` (the final order by pool id).
 """
 import triton
 import triton.language as tl
@@ -73,3 +74,13 @@ def write_sorted(ck, ci, take, out_row, K: tl.constexpr, KP: tl.constexpr):
     v = tl.sort(tl.where(ok, v, 0), descending=True)
     ids = tl.where(ok, (~v.to(tl.uint32)).to(tl.int32), -1)
     tl.store(out_row + i, ids, mask=i < K)
+
+
+@triton.jit
+def write_by_pool(ci, take, out_row, K: tl.constexpr, KP: tl.constexpr):
+    """The ids of the `take` selected pairs at ci[0, take) into out_row[0, K) by ascending
+    id, then -1 (``reference.pool_order``)."""
+    i = tl.arange(0, KP)
+    ok = i < take
+    v = tl.sort(tl.where(ok, tl.load(ci + i, mask=ok, other=0).to(tl.uint32), 0xFFFFFFFF))
+    tl.store(out_row + i, tl.where(ok, v.to(tl.int32), -1), mask=i < K)

@@ -4,6 +4,8 @@ Result per row: the k best ids by descending score, ties by ascending id, then -
 for the slots a row with fewer than k valid candidates leaves; the same contract
 and the same order key as ``pallas_kernels.topk`` (an exact uint32 image of the f32
 order: -0 == +0, NaN lowest), so the result equals the reference's bit for bit.
+With ``order="pool"`` (``BY_POOL``) the same ids come by ascending id
+(``reference.pool_order``).
 
 Reads ONLY its row of scores below the row's length (and of its group maxima);
 writes ONLY its row of the output and of its private buffers (outputs of the call).
@@ -59,7 +61,8 @@ candidates; when the edge holds more than KP distinct keys (many distinct keys
 in one of NB * NB sub-bins: scores spread over a huge range) an exact radix
 select over the edge's key bits takes over, one walk per byte; when all of the
 edge's keys tie, the first ids by id are the answer. A final sort of the <= KP
-selected (key, id) pairs orders them.
+selected (key, id) pairs orders them; by pool id, a sort of the ids alone (the
+register form has them in id order already and sorts nothing).
 """
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ import triton.language as tl
 from ..read import workspace
 from ..read.workspace import padded_k
 from . import _call
-from .order_tl import append_at_least, order_key, take_th_key, write_sorted
+from .order_tl import append_at_least, order_key, take_th_key, write_by_pool, write_sorted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +212,11 @@ def _maxima_floor(mrow, ng, take, BLOCK: tl.constexpr, NB: tl.constexpr):
 def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
              K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr, GROUP: tl.constexpr,
              STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SMALL: tl.constexpr,
-             FLOOR_TILE: tl.constexpr = 0):
+             FLOOR_TILE: tl.constexpr = 0, BY_POOL: tl.constexpr = False):
     """The top-k of one row of n valid scores (0 <= n <= n_cols) into out_row[0, K) (the
-    module's docstring; ``topk_kernel``'s arguments, ``row`` the row). Also the split
-    top-k's fallback (``topk_rank``)."""
+    module's docstring; ``topk_kernel``'s arguments, ``row`` the row), by descending
+    score or with BY_POOL by ascending pool id. Also the split top-k's fallback
+    (``topk_rank``)."""
     base = logits_ptr + row.to(tl.int64) * n_cols
     take = tl.minimum(n, K)
     ck = sel_key_ptr + row.to(tl.int64) * SEL_W
@@ -358,13 +362,18 @@ def row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_
             cg += tl.sum(gt.to(tl.int32), axis=0)
             cq += tl.sum(eq.to(tl.int32), axis=0)
     tl.debug_barrier()
-    write_sorted(ck, ci, take, out_row, K, KP)
+    if BY_POOL:
+        write_by_pool(ci, take, out_row, K, KP)
+    else:
+        write_sorted(ck, ci, take, out_row, K, KP)
 
 
 @triton.jit
-def register_topk(base, n, take, ck, ci, out_row, K: tl.constexpr, KP: tl.constexpr, REG: tl.constexpr):
+def register_topk(base, n, take, ck, ci, out_row, K: tl.constexpr, KP: tl.constexpr, REG: tl.constexpr,
+                  BY_POOL: tl.constexpr = False):
     """The top-k of a row of n <= REG scores at base into out_row[0, K), the row read once
-    into registers (the module's docstring); ck / ci: the row's selected buffer, >= KP."""
+    into registers (the module's docstring); ck / ci: the row's selected buffer, >= KP.
+    With BY_POOL the selected ids, already in id order, go out as they are."""
     offs = tl.arange(0, REG)
     m = offs < n
     key = tl.where(m, order_key(tl.load(base + offs, mask=m, other=0.0)), 0)     # [REG] u32, 0 outside
@@ -378,10 +387,15 @@ def register_topk(base, n, take, ck, ci, out_row, K: tl.constexpr, KP: tl.conste
         need = take - tl.sum(gt.to(tl.int32), axis=0)
         sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    tl.store(ck + pos, key, mask=sel)
-    tl.store(ci + pos, offs, mask=sel)
-    tl.debug_barrier()
-    write_sorted(ck, ci, take, out_row, K, KP)
+    if BY_POOL:
+        tl.store(out_row + pos, offs, mask=sel)
+        j = tl.arange(0, KP)
+        tl.store(out_row + j, tl.full((KP,), -1, tl.int32), mask=(j >= take) & (j < K))
+    else:
+        tl.store(ck + pos, key, mask=sel)
+        tl.store(ci + pos, offs, mask=sel)
+        tl.debug_barrier()
+        write_sorted(ck, ci, take, out_row, K, KP)
 
 
 @triton.jit
@@ -389,30 +403,53 @@ def topk_kernel(n_rows, n_cols, n_groups, logits_ptr, lengths_ptr, maxima_ptr, s
                 group_ptr, out_ptr, K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr,
                 GROUP: tl.constexpr, STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr,
                 NB: tl.constexpr, SMALL: tl.constexpr, REVERSE: tl.constexpr, REG: tl.constexpr,
-                LONG: tl.constexpr, FLOOR_TILE: tl.constexpr):
+                LONG: tl.constexpr, FLOOR_TILE: tl.constexpr, BY_POOL: tl.constexpr):
     # logits: [n_rows, n_cols] f32; lengths: [n_rows] i32; maxima: [n_rows, n_groups] u32 (the
     # order key's maximum of the columns workspace.group_columns(g); read only with MAXIMA);
     # sel_key / sel_id: [n_rows, SEL_W] u32 / i32 scratch (each row its own: [0, KP) the answer,
     # [KP, 2 KP) the edge bin, with MAXIMA [2 KP, 2 KP + CAP) the candidates); group:
     # [n_rows, CAP] i32 scratch with MAXIMA (the listed groups); out: [n_rows, K] i32.
     # REG > 0: LONG False takes the rows of at most REG scores (the register form), LONG True
-    # the others; each leaves the other's rows of out unwritten.
+    # the others; each leaves the other's rows of out unwritten. BY_POOL: each row's ids by
+    # ascending id, not by descending score; a row of at most K scores (all of them selected)
+    # then takes no walk, in both launches.
     pid = tl.program_id(0)
     row = (n_rows - 1 - pid) if REVERSE else pid
     out_row = out_ptr + row.to(tl.int64) * K
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
+    if BY_POOL:
+        if n <= K:                            # every valid id is selected: in id order, no walk
+            j = tl.arange(0, KP)
+            tl.store(out_row + j, tl.where(j < n, j, -1), mask=j < K)
+        else:
+            _launch_row(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr,
+                        out_row, K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL, REG, LONG, FLOOR_TILE,
+                        BY_POOL)
+    else:
+        _launch_row(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
+                    K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL, REG, LONG, FLOOR_TILE, BY_POOL)
+
+
+@triton.jit
+def _launch_row(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
+                K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SEL_W: tl.constexpr, GROUP: tl.constexpr,
+                STEP: tl.constexpr, MAXIMA: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+                SMALL: tl.constexpr, REG: tl.constexpr, LONG: tl.constexpr, FLOOR_TILE: tl.constexpr,
+                BY_POOL: tl.constexpr):
+    """One row of ``topk_kernel``: the walks (REG 0, or LONG and a row of more than REG
+    scores) or the register form (not LONG, at most REG scores)."""
     if REG == 0:
         row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
-                 K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL, FLOOR_TILE)
+                 K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL, FLOOR_TILE, BY_POOL)
     elif LONG:
         if n > REG:
             row_topk(row, n, n_cols, n_groups, logits_ptr, maxima_ptr, sel_key_ptr, sel_id_ptr, group_ptr, out_row,
-                     K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL, FLOOR_TILE)
+                     K, KP, CAP, SEL_W, GROUP, STEP, MAXIMA, BLOCK, NB, SMALL, FLOOR_TILE, BY_POOL)
     else:
         if n <= REG:
             register_topk(logits_ptr + row.to(tl.int64) * n_cols, n, tl.minimum(n, K),
                           sel_key_ptr + row.to(tl.int64) * SEL_W, sel_id_ptr + row.to(tl.int64) * SEL_W, out_row,
-                          K, KP, REG)
+                          K, KP, REG, BY_POOL)
 
 
 # the prefill chunks' shape (select_tokens): the register form off, faster through the
@@ -434,16 +471,19 @@ def consts(k, cap, sel_w, tune, maxima):
                 SMALL=min(tune.small, padded_k(k)))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "tune"))
-def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = None):
+@functools.partial(jax.jit, static_argnames=("k", "tune", "order"))
+def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = None, order: str = "score"):
     """logits: [rows, n] f32; lengths: [rows] i32 (ids >= length are invalid); maxima:
     None or [rows, workspace.maxima_cols(n)] u32, entry g the largest ``order_key`` of
     the columns ``workspace.group_columns(g)`` (two runs of 4, not 8 consecutive
     columns; ``prefill_logits`` writes them). An entry below its columns' maximum makes
     the result wrong; entries above it only cost time. Returns [rows, k] i32:
-    descending score, ties by ascending id, -1 padded.
+    descending score, ties by ascending id, -1 padded; ``order="pool"``: the same ids
+    by ascending id, -1 padded (no final sort by score).
     Rows of at most ``tune.reg_pools`` scores take the register form whether or not
     maxima come. ``tune`` None: DEFAULT with maxima, WHOLE_ROW without (docs/benchmarks.md)."""
+    if order not in ("score", "pool"):
+        raise ValueError(f"topk_pools: order must be 'score' or 'pool', got {order!r}")
     rows, n = logits.shape
     kp = padded_k(k)
     cap = workspace.candidate_cap(k)
@@ -472,7 +512,7 @@ def topk_pools(logits, lengths, k: int, maxima=None, *, tune: Tuning | None = No
              jax.ShapeDtypeStruct((groups_,), jnp.int32), jax.ShapeDtypeStruct((rows, k), jnp.int32)),
             grid=(rows,), num_warps=tune.num_warps, num_stages=1, name="kpool_topk_rows",
             constexprs=dict(consts(k, cap, sel_w_, tune, with_maxima), REVERSE=tune.reverse, REG=reg_, LONG=long_,
-                            FLOOR_TILE=floor_tile_maxima if with_maxima else 0))[3]
+                            FLOOR_TILE=floor_tile_maxima if with_maxima else 0, BY_POOL=order == "pool"))[3]
 
     if reg == 0:
         return launch(0, False, maxima is not None)

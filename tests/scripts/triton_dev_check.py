@@ -400,7 +400,8 @@ def check_row_topk(rng):
     kernels in the interpreter) against glm5_jax.reference.topk_pools: rows of random
     scores, a ReLU plateau of zeros and heavy ties, lengths from 0 to the row, with
     group maxima (the floor from registers and from histograms) and without (the
-    register form and the walks, merged by row length). The interpreter checks the
+    register form and the walks, merged by row length), by score and (but for the
+    histogram floor) by pool id against ``reference.pool_order``. The interpreter checks the
     kernel's logic, not the GPU's layouts or races."""
     from glm5_jax import reference as ref
     from pallas_kernels.triton_lang import topk_rows as tr
@@ -421,12 +422,15 @@ def check_row_topk(rng):
             lengths = rng.integers(0, n + 1, rows).astype(np.int32)
             lengths[0], lengths[1] = n, min(n, k - 3)
             want = np.asarray(ref.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k))
+            want_by_pool = np.asarray(ref.pool_order(jnp.asarray(want)))
             for label, tune, with_maxima in tunes:
-                with jax.disable_jit():
-                    got = np.asarray(tr.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k,
-                                                   jnp.asarray(group_maxima(x)) if with_maxima else None, tune=tune))
-                bad += _report_ids(f"row top-k {rows} x {n}, k {k}, {['normal', 'relu', 'ties'][case % 3]}, {label}",
-                                   got, want)
+                for order in ("score", "pool") if tune.floor_maxima else ("score",):
+                    with jax.disable_jit():
+                        got = np.asarray(tr.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k,
+                                                       jnp.asarray(group_maxima(x)) if with_maxima else None,
+                                                       tune=tune, order=order))
+                    bad += _report_ids(f"row top-k {rows} x {n}, k {k}, {['normal', 'relu', 'ties'][case % 3]}, "
+                                       f"{label}, order {order}", got, want if order == "score" else want_by_pool)
     return bad
 
 
@@ -630,6 +634,10 @@ def read_launches():
     cases = [
         ("row top-k, prefill chunk", lambda: topk_rows.topk_pools(
             f32(rows, n), i32(rows), k, u32(rows, workspace.maxima_cols(n)))),
+        ("row top-k, prefill chunk, by pool id", lambda: topk_rows.topk_pools(
+            f32(rows, n), i32(rows), k, u32(rows, workspace.maxima_cols(n)), order="pool")),
+        ("row top-k, register form by pool id", lambda: topk_rows.topk_pools(
+            f32(rows, 4096), i32(rows), k, tune=topk_rows.Tuning(reg_pools=4096), order="pool")),
         ("dense top-k [64, 131072]", lambda: dense_topk.topk_pools(f32(64, 131072), i32(64), k)),
         ("decode split top-k [1, 8192]", lambda: split_topk.select_tokens_split(       # B = 1 x 32k tokens
             f32(1, 8192), i32(1), k, u32(1, workspace.maxima_cols(8192)), workspace.MAXIMA_GROUP_POOLS, 4,
