@@ -135,7 +135,18 @@ def bench_prefill(cfg, tokens, impls, mm, quick, chained=()):
             res[f"{impl}, {CHAINED_CALLS} calls chained in one jit"] = time_read(
                 sel, (cache, q8, w, table, pos), reps=CHAINED_CALLS, trials=1 if (big or quick) else 3, fixed=1,
                 perturb=(4,))
-    if "triton" in impls:
+    if "triton" in impls:                                     # the same tokens by pool id: no final sort by score
+        by_pool = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
+                                                                   implementation="triton", order="pool"))
+        by_score = jax.jit(lambda c, q, ww, t, p: ops.select_tokens(c, layout, 0, q, ww, t, p, short_context=False,
+                                                                    implementation="triton"))
+        k_tokens = cfg.topk_pools * cfg.kpool
+        want = by_score(cache, q8, w, table, pos)
+        want = jnp.concatenate([ref.pool_order(want[:, :k_tokens]), want[:, k_tokens:]], axis=1)
+        if not bool(jnp.array_equal(by_pool(cache, q8, w, table, pos), want)):
+            raise SystemExit(f"1 x {tokens}: order='pool' is not the score order's tokens by pool id")
+        del want
+        res["triton, order='pool'"] = wall(by_pool, cache, q8, w, table, pos, trials=1 if (big or quick) else 3)
         lg = triton_logits_only(s, q8, table, cfg.topk_pools)
         res["triton: logits only"] = wall(lg, cache, q8, w, (pos + 1) // cfg.kpool, trials=1 if big else 3)
     for name, t in res.items():

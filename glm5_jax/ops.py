@@ -665,7 +665,8 @@ def expand_pools(pool_ids, seq_lens_tokens, kpool: int, *, implementation=None, 
 
 def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, positions, *,
                   topk_tokens: int | None = None, short_context=None, implementation=None,
-                  interpret=None, path: str | None = None, workspace_bytes: int | None = None):
+                  interpret=None, path: str | None = None, workspace_bytes: int | None = None,
+                  order: str = "score"):
     """Token indices each query row attends to: the whole read path of one layer (docs/semantics.md 1.3).
 
     q8: [B, n, H, 128] float8_e4m3fn and weights: [B, n, H] f32 from
@@ -678,7 +679,10 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     visible to a row at position p iff m < (p + 1) // kpool) expanded to their
     tokens in order of descending score (ties: lower pool id first), then the
     row's incomplete-pool tail tokens; -1 marks empty columns (all of a padding
-    row). Short-context path (docs/semantics.md 5.5): when every row's context p + 1 is <=
+    row). ``order="pool"``: the same pools in ascending pool id order (the tokens in
+    position order, the -1 columns after them; ``reference.pool_order``), which the
+    Triton prefill rows write without their final sort by score; the other paths sort
+    their ids. Short-context path (docs/semantics.md 5.5): when every row's context p + 1 is <=
     topk_tokens, scoring is skipped and row p holds 0, 1, ..., p, then -1 (the same
     token set). ``short_context`` forces (True/False) or auto-detects (None; on
     traced positions the choice is a lax.cond on the device).
@@ -701,6 +705,7 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     of logits, top-k buffers and results at a time.
     """
     op = "select_tokens"
+    ref.check_order(op, order)
     q8, weights, (b, n, hp) = _check_read_inputs(op, cache, layout, q8, weights, page_table_pages,
                                                  "positions", positions)
     c = layout.config
@@ -727,15 +732,18 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
         raise ValueError(f"{op}: implementation='triton' has no interpret mode (jax_triton compiles for "
                          f"GPUs only); use implementation='pallas' with interpret=True on CPU")
     return DISPATCH[op, impl](cache, s, q8, weights, page_table_pages, positions, t, short,
-                              interpret=interpret, path=path, workspace_bytes=workspace_bytes)
+                              interpret=interpret, path=path, workspace_bytes=workspace_bytes, order=order)
 
 
-def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=None):
+def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=None, order="score",
+                        pool_ids_in_order=False):
     """select_tokens' frame shared by the kernel implementations: the causal fill, or
     ``token_ids(positions, k)`` ([B, n] positions -> [B, n, width] token indices, expanded
     by its own kernels; None where it does not apply), or else ``pool_ids(ctx, k)`` ([B, n]
     visible pools -> [B, n, k] selected pool ids) expanded to tokens by the expansion
-    kernel; ``short`` as ``reference.use_short_path`` returns it."""
+    kernel; ``short`` as ``reference.use_short_path`` returns it. With order="pool" the
+    pool ids (or the tokens of token_ids' pool columns) are sorted
+    (``reference.pool_order``) unless ``pool_ids_in_order`` says pool_ids gives them so."""
     b, n = q8.shape[:2]
     r = s.kpool
     k, width = t // r, t + r - 1
@@ -746,16 +754,21 @@ def _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_i
     def sparse():
         tokens = None if token_ids is None else token_ids(positions, k)
         if tokens is not None:
-            return tokens.reshape(b * n, width)
+            tokens = tokens.reshape(b * n, width)
+            if order == "pool":
+                tokens = jnp.concatenate([ref.pool_order(tokens[:, :k * r]), tokens[:, k * r:]], axis=1)
+            return tokens
         seq = ref.seq_lens_from_positions(positions)                                # [B, n]
         ids = pool_ids(seq // r, k)
+        if order == "pool" and not pool_ids_in_order:
+            ids = ref.pool_order(ids)
         return _expand.expand_pools(ids.reshape(b * n, k), seq.reshape(-1), r, interpret=interpret)
 
     return ref.branch_short(short, fill, sparse)
 
 
 def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path,
-                          workspace_bytes):
+                          workspace_bytes, order):
     """select_tokens with implementation="pallas": the fused paged_topk, or paged_logits +
     top-k on bounded row chunks (``path``, ``default_read_path``)."""
     b, n = q8.shape[:2]
@@ -773,11 +786,11 @@ def _select_tokens_pallas(cache, s, q8, weights, page_table_pages, positions, t,
                                     budget_bytes=workspace_bytes)
         return ref.map_query_rows(rows, chunk, q8, weights, ctx)
 
-    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret)
+    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, order=order)
 
 
 def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t, short, *, interpret, path,
-                          workspace_bytes):
+                          workspace_bytes, order):
     """select_tokens with implementation="triton": chunks of query rows (at most
     ``workspace_bytes`` of logits and top-k buffers at a time,
     ``pallas_kernels.read.workspace``) through the tensor-core logits kernel and the
@@ -806,12 +819,12 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
             if not tc_topk.needs_maxima(n_cols, tune):         # every row fits the register form
                 lg = tc_logits.paged_logits(cache, s, q8, weights, page_table_pages, cx, fill=False,
                                             tune=tc_logits.PREFILL, first_row=first)
-                ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, tune=tune)
+                ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, tune=tune, order=order)
             else:
                 lg, mx = tc_logits.paged_logits(cache, s, q8, weights, page_table_pages, cx, fill=False, maxima=True,
                                                 tune=tc_logits.PREFILL, first_row=first)
                 ids = tc_topk.topk_pools(lg.reshape(bb * cn, -1), cx.reshape(-1), k, mx.reshape(bb * cn, -1),
-                                         tune=tune)
+                                         tune=tune, order=order)
             return ids.reshape(bb, cn, k)
 
         return ref.map_query_rows(rows, chunk_of(k), ctx, window_start=True)
@@ -835,7 +848,8 @@ def _select_tokens_triton(cache, s, q8, weights, page_table_pages, positions, t,
 
         return ref.map_query_rows(rows, chunk, q8, weights, pos)
 
-    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=token_ids)
+    return _select_tokens_with(pool_ids, s, q8, positions, t, short, interpret, token_ids=token_ids, order=order,
+                               pool_ids_in_order=True)
 
 
 def _triton_kernel(module: str, name: str):
@@ -912,10 +926,10 @@ DISPATCH = {
         lambda ids, seq, kpool, *, interpret: _expand.expand_pools(ids, seq, kpool, interpret=interpret),
 
     ("select_tokens", "xla"):
-        lambda cache, s, q8, w, table, positions, t, short, *, interpret, path, workspace_bytes:
+        lambda cache, s, q8, w, table, positions, t, short, *, interpret, path, workspace_bytes, order:
         ref.select_tokens_strides(cache, s, q8, w, table, positions, t,
                                   short_context=short if isinstance(short, bool) else None,
-                                  budget_bytes=workspace_bytes),
+                                  budget_bytes=workspace_bytes, order=order),
     ("select_tokens", "pallas"): _select_tokens_pallas,
     ("select_tokens", "triton"): _select_tokens_triton,
 }

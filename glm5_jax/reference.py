@@ -354,6 +354,24 @@ def topk_pools(logits, lengths, k: int):
     return jnp.where(top == _INT32_MIN, -1, idx).astype(jnp.int32)
 
 
+ORDERS = ("score", "pool")     # select_tokens' orders of the selected pools
+
+
+def pool_order(ids):
+    """ids [..., m] i32 (pool ids or their token indices, -1 = empty) in ascending order,
+    the -1 entries after the others: the order ``select_tokens(order="pool")`` gives
+    the selected pools. Pools expand to disjoint runs of consecutive tokens, so sorting
+    the tokens of a row's pool columns sorts its pools."""
+    big = jnp.iinfo(jnp.int32).max
+    srt = jnp.sort(jnp.where(ids < 0, big, ids.astype(jnp.int32)), axis=-1)
+    return jnp.where(srt == big, -1, srt)
+
+
+def check_order(op: str, order) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"{op}: order must be one of {ORDERS}, got {order!r}")
+
+
 def expand_pools(pool_ids, seq_lens_tokens, kpool: int):
     """Pool ids -> token indices, then the row's incomplete-pool tail (docs/semantics.md 5.10).
 
@@ -466,17 +484,20 @@ def map_query_rows(fn, chunk: int, *arrays, window_start: bool = False):
 
 
 def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages, positions,
-                          topk_tokens: int, short_context=None, budget_bytes: int | None = None):
+                          topk_tokens: int, short_context=None, budget_bytes: int | None = None,
+                          order: str = "score"):
     """The whole read path of one indexer layer for a batch (docs/semantics.md 1.3, appendix C).
 
     q8 [B, n, Hp, 128] e4m3fn; weights [B, n, Hp] f32 (folded); page_table_pages
     [B, max_pages] i32; positions [B, n] i32 (absolute token position of each query
     row; -1 = padding). Returns [B * n, topk_tokens + kpool - 1] i32 request-relative
     token indices, rows in (b, j) order: the top topk_tokens/kpool pools expanded to
-    tokens (descending score, ties by lower pool id), then the incomplete-pool tail;
-    -1 marks empty columns. When every row's context is <= topk_tokens (short path,
+    tokens (descending score, ties by lower pool id; with order="pool" the same pools
+    by ascending pool id, ``pool_order``), then the incomplete-pool tail; -1 marks
+    empty columns. When every row's context is <= topk_tokens (short path,
     docs/semantics.md 5.5) a row holds all causal tokens 0..p instead, then -1.
     """
+    check_order("select_tokens", order)
     r = s.kpool
     b, n = positions.shape
     width = topk_tokens + r - 1
@@ -495,6 +516,8 @@ def select_tokens_strides(cache, s: CacheStrides, q8, weights, page_table_pages,
             logits = logits_from_pools(q, w, k8, kscale, ok, seq // r)
             bb, c = p.shape
             ids = topk_pools(logits.reshape(bb * c, -1), (seq // r).reshape(-1), k)
+            if order == "pool":
+                ids = pool_order(ids)
             return expand_pools(ids, seq.reshape(-1), r).reshape(bb, c, width)
 
         chunk = query_row_chunk(n, hp, n_pools, b, budget_bytes)
@@ -508,7 +531,7 @@ def paged_logits(cache, layout: CacheLayout, layer: int, q8, weights, page_table
 
 
 def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_table_pages, positions,
-                  topk_tokens: int | None = None, short_context=None):
+                  topk_tokens: int | None = None, short_context=None, order: str = "score"):
     t = layout.config.topk if topk_tokens is None else topk_tokens
     return select_tokens_strides(cache, layout.strides(layer), q8, weights, page_table_pages,
-                                 positions, t, short_context)
+                                 positions, t, short_context, order=order)

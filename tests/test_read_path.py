@@ -994,6 +994,38 @@ def test_select_tokens_vs_golden(rng, mode):
         assert (toks[seq == 0] == -1).all(), f"{name}: a padding row selected tokens"
 
 
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_select_tokens_in_pool_order_selects_the_same_tokens(rng, mode):
+    """order="pool": each implementation returns the pools it selects with order="score",
+    by ascending pool id with the -1 columns after them, and the same tail columns; an
+    unknown order is refused."""
+    cfg, layout, sc, cache, lengths, table = select_case(rng)
+    r, k = cfg.kpool, cfg.topk_pools
+    if mode == "decode":
+        pos = decode_positions(rng, lengths, 4, counts=[4, 1, 3])
+    else:
+        pos = np.arange(lengths[0], dtype=np.int32)[None, :]
+        table = table[:1]
+    b, n = pos.shape
+    q8, wf = random_queries(rng, b, n, 32)
+    args = (cache, layout, 0, q8, wf, jnp.asarray(table), jnp.asarray(pos))
+    big = np.iinfo(np.int32).max
+    reordered = 0
+    for impl, path in (("xla", None), ("pallas", "unfused" if mode == "decode" else "fused")):
+        by_score = np.asarray(ops.select_tokens(*args, short_context=False, implementation=impl, path=path))
+        by_pool = np.asarray(ops.select_tokens(*args, short_context=False, implementation=impl, path=path,
+                                               order="pool"))
+        ids_s, tail_s = split_tokens(by_score, k, r)
+        ids_p, tail_p = split_tokens(by_pool, k, r)
+        np.testing.assert_array_equal(tail_p, tail_s, err_msg=f"{impl} {path}")
+        want = np.sort(np.where(ids_s < 0, big, ids_s), axis=1)
+        np.testing.assert_array_equal(ids_p, np.where(want == big, -1, want), err_msg=f"{impl} {path}")
+        reordered += int((ids_p != ids_s).any(axis=1).sum())
+    assert reordered > 0                                            # the score order is not already the pool order
+    with pytest.raises(ValueError, match="order must be one of"):
+        ops.select_tokens(*args, order="id")
+
+
 def test_select_tokens_default_path_by_rows(rng):
     """path=None takes the unfused path for decode-sized row counts and the fused
     kernel (logits never in memory) for prefill chunks of FUSED_MIN_ROWS rows or

@@ -1027,13 +1027,23 @@ def _select(layout, layer, impl, ws=None):
                                                            implementation=impl, workspace_bytes=ws))
 
 
+def in_pool_order(tokens, k_tokens):
+    """The token rows of select_tokens(order="score") as order="pool" gives them: the pool
+    columns [: k_tokens] in ascending order with the -1 columns after them, the tail as is
+    (numpy; independent of ``reference.pool_order``)."""
+    big = np.iinfo(np.int32).max
+    head = np.sort(np.where(tokens[:, :k_tokens] < 0, big, tokens[:, :k_tokens]), axis=1)
+    return np.concatenate([np.where(head == big, -1, head), tokens[:, k_tokens:]], axis=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("reg_pools", [None, 1024])
 def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_pools):
     """Prefill of one request: the selected pools equal the golden selection on every
     decided row, the tail columns equal the reference's, determinism run to run; with
     the default shape every row goes through the logits kernel's maxima, with 1024 the
-    rows of at most 1024 pools take the register form."""
+    rows of at most 1024 pools take the register form. order="pool" (the row top-k
+    without its sort by score) gives the same tokens in pool order."""
     _require_triton()
     if reg_pools is not None:
         from pallas_kernels.triton_lang import topk_rows
@@ -1050,6 +1060,11 @@ def test_tc_select_tokens_follows_the_contract(rng, monkeypatch, reg_pools):
     got = np.asarray(f(cache, q8, wf, jnp.asarray(table), jnp.asarray(pos)))
     again = np.asarray(f(cache, q8, wf, jnp.asarray(table), jnp.asarray(pos)))
     np.testing.assert_array_equal(got, again)
+    by_pool = np.asarray(jax.jit(lambda cc, q, w, t, p: ops.select_tokens(
+        cc, layout, layer, q, w, t, p, topk_tokens=k * c.kpool, short_context=False, implementation="triton",
+        order="pool"))(cache, q8, wf, jnp.asarray(table), jnp.asarray(pos)))
+    np.testing.assert_array_equal(by_pool, in_pool_order(got, k * c.kpool))
+    assert (by_pool != got).any()
     gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
     gold, e = gold[0], e[0]
     decided = decided_rows(gold, e, ctx[0], k)
@@ -1132,7 +1147,8 @@ def test_tc_select_tokens_is_batch_invariant(rng):
 def test_tc_decode_select_tokens_follows_the_contract(rng, next_n):
     """Decode batches (next_n query rows per request, the split top-k): the selected pools
     equal the golden selection on every decided row, the tail columns the reference's;
-    the same indices run to run and for a request alone or in the batch."""
+    the same indices run to run and for a request alone or in the batch; order="pool"
+    gives the same tokens in pool order."""
     _require_triton()
     b = 24
     layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=b, n=next_n, max_pages=40)
@@ -1149,6 +1165,10 @@ def test_tc_decode_select_tokens_follows_the_contract(rng, next_n):
     np.testing.assert_array_equal(np.asarray(f(*args)), got)
     alone = np.asarray(f(cache, q8[1:2], wf[1:2], jnp.asarray(table[1:2]), jnp.asarray(pos[1:2])))
     np.testing.assert_array_equal(alone, got[next_n:2 * next_n])
+    by_pool = np.asarray(jax.jit(lambda cc, q, w, t, p: ops.select_tokens(
+        cc, layout, layer, q, w, t, p, topk_tokens=k * c.kpool, short_context=False, implementation="triton",
+        order="pool"))(*args))
+    np.testing.assert_array_equal(by_pool, in_pool_order(got, k * c.kpool))
     seq = np.where(pos >= 0, pos + 1, 0)
     ctx = seq // c.kpool
     gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
