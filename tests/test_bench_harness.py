@@ -474,7 +474,9 @@ def test_bench_prefill_logits_pages_reach_select_tokens_and_the_chunks(monkeypat
 
     logits = types.SimpleNamespace(PREFILL=Tuning(), paged_logits=paged_logits)
     rows = types.SimpleNamespace(DEFAULT=None, needs_maxima=lambda n_cols, tune: maxima,
-                                 topk_pools=lambda a, l, k, m=None, tune=None: ref.topk_pools(a, l, k))
+                                 topk_pools=lambda a, l, k, m=None, tune=None, order="score": (
+                                     ref.topk_pools(a, l, k) if order == "score"
+                                     else ref.pool_order(ref.topk_pools(a, l, k))))
     stand_in_triton_modules(monkeypatch, prefill_logits=logits, topk_rows=rows, split_topk=types.SimpleNamespace())
     monkeypatch.setattr(ops._triton, "require", lambda op: None)
     monkeypatch.setattr(ops._expand, "expand_pools", lambda ids, seq, r, interpret=None: ref.expand_pools(ids, seq, r))

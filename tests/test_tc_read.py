@@ -606,6 +606,32 @@ def test_tc_topk_with_maxima_equals_the_reference(rng, k, floor_maxima):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 512])
+@pytest.mark.parametrize("reg_pools", [0, 4096])
+def test_tc_topk_by_pool_is_the_reference_by_pool_id(rng, k, reg_pools):
+    """order="pool": the row top-k's ids (through the maxima's floor and the whole-row
+    walk, with reg_pools the register form, and rows of at most k scores, which take no
+    walk) are the reference's by ascending id with -1 after them, bit for bit; an
+    unknown order is refused."""
+    _require_triton()
+    from pallas_kernels.triton_lang import topk_rows
+    g = workspace.MAXIMA_GROUP_POOLS
+    rows, n = 24, g * k * 2 + 13
+    x = adversarial_scores(rng, rows, n)
+    lengths = rng.integers(0, n + 100, rows).astype(np.int32)
+    lengths[:4] = n
+    lengths[4:10] = [0, 1, k - 1, k, k + 1, g * k - 1]
+    want = np.asarray(ref.pool_order(jnp.asarray(np_topk(x, lengths, k))))
+    tune = topk_rows.Tuning(reg_pools=reg_pools)
+    f = jax.jit(lambda a, ln, m: topk_rows.topk_pools(a, ln, k, m, tune=tune, order="pool"))
+    got = np.asarray(f(jnp.asarray(x), jnp.asarray(lengths), jnp.asarray(group_maxima(x))))
+    np.testing.assert_array_equal(got, want)
+    assert (got[:4] != np_topk(x, lengths, k)[:4]).any()          # not already the score order
+    with pytest.raises(ValueError, match="order must be"):
+        topk_rows.topk_pools(jnp.asarray(x), jnp.asarray(lengths), k, order="id")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", [64, 512, 2048])
 @pytest.mark.parametrize("reg_pools, warps", [(4096, 4), (8192, 8), (2048, 4)])
 def test_tc_topk_in_registers_equals_the_reference(rng, k, reg_pools, warps):
@@ -1169,6 +1195,7 @@ def test_tc_decode_select_tokens_follows_the_contract(rng, next_n):
         cc, layout, layer, q, w, t, p, topk_tokens=k * c.kpool, short_context=False, implementation="triton",
         order="pool"))(*args))
     np.testing.assert_array_equal(by_pool, in_pool_order(got, k * c.kpool))
+    assert (by_pool != got).any()
     seq = np.where(pos >= 0, pos + 1, 0)
     ctx = seq // c.kpool
     gold, e = golden(cache, layout, layer, q8, wf, table, ctx)
