@@ -680,9 +680,9 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     tokens in order of descending score (ties: lower pool id first), then the
     row's incomplete-pool tail tokens; -1 marks empty columns (all of a padding
     row). ``order="pool"``: the same pools in ascending pool id order (the tokens in
-    position order, the -1 columns after them; ``reference.pool_order``), which the
-    Triton prefill rows write without their final sort by score; the other paths sort
-    their ids. Short-context path (docs/semantics.md 5.5): when every row's context p + 1 is <=
+    position order, the -1 columns after them; ``reference.pool_order``): the Triton
+    prefill rows sort only their ids where the score order sorts (score, id) pairs
+    (faster), the other paths sort their ids after the top-k. Short-context path (docs/semantics.md 5.5): when every row's context p + 1 is <=
     topk_tokens, scoring is skipped and row p holds 0, 1, ..., p, then -1 (the same
     token set). ``short_context`` forces (True/False) or auto-detects (None; on
     traced positions the choice is a lax.cond on the device).
