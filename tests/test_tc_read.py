@@ -908,19 +908,39 @@ def test_tc_topk_reads_only_the_groups_above_the_floor(rng, floor_maxima):
     assert all(best[r] not in got[r] for r in range(rows))
 
 
+def nan_and_inf_weights(rng, wf, ctx):
+    """wf [B, n, Hp] with one live head weight set to +inf in the row of the longest
+    context, one to -inf in the next and one to NaN in the third (ctx [B, n]: pools
+    seen): the first row's logits are +inf or NaN (0 * inf where that head's ReLU is
+    0), the second's -inf or NaN, the third's all NaN."""
+    w = np.array(wf)
+    hp = w.shape[2]
+    rows = np.argsort(-np.asarray(ctx).reshape(-1), kind="stable")[:3]
+    for v, r in zip((np.inf, -np.inf, np.nan), rows):
+        b, i = divmod(int(r), w.shape[1])
+        w[b, i, rng.choice(np.flatnonzero(w[b, i] != 0) if (w[b, i] != 0).any() else np.arange(hp))] = v
+    return jnp.asarray(w)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TC_CASES[:3])
 @pytest.mark.parametrize("n", [1, 3])
-def test_tc_logits_step_maxima_are_the_step_maxima(rng, case, n):
+@pytest.mark.parametrize("odd_weights", [False, True], ids=["finite", "nan-inf"])
+def test_tc_logits_step_maxima_are_the_step_maxima(rng, case, n, odd_weights):
     """paged_logits(maxima=True, maxima_pools=64) for decode rows (a request's n rows per
     program): entry s is the largest order key of columns 64 s .. 64 s + 63 of the row's
-    logits (-inf past its context) wherever the logits are written, and the logits are
-    those of the call without maxima."""
+    logits (-inf past its context, NaN the lowest) wherever the logits are written, and
+    the logits are those of the call without maxima, with finite weights and with
+    ``nan_and_inf_weights``."""
     _require_triton()
     from pallas_kernels.triton_lang import prefill_logits
     layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=3, n=n, max_pages=40, **case)
+    if odd_weights:
+        wf = nan_and_inf_weights(rng, wf, ctx)
     args = (cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
     plain = np.asarray(jax.jit(prefill_logits.paged_logits, static_argnums=1)(*args))
+    if odd_weights:
+        assert np.isnan(plain).any() and np.isposinf(plain).any() and np.isneginf(plain).any()
     for fill in (True, False):
         lg, mx = jax.jit(lambda *a, fill=fill: prefill_logits.paged_logits(*a, fill=fill, maxima=True,
                                                                              maxima_pools=64),
@@ -981,15 +1001,21 @@ def test_tc_decode_logits_read_positions_and_zero_the_counters(rng, case, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TC_CASES[:3])
-def test_tc_logits_maxima_are_the_group_maxima(rng, case):
+@pytest.mark.parametrize("odd_weights", [False, True], ids=["finite", "nan-inf"])
+def test_tc_logits_maxima_are_the_group_maxima(rng, case, odd_weights):
     """paged_logits(maxima=True): entry g is the largest order key of the logits in
-    workspace.group_columns(g), everywhere with fill and where the logits are written
-    without it; the logits are the same as without maxima."""
+    workspace.group_columns(g) (NaN the lowest), everywhere with fill and where the
+    logits are written without it; the logits are the same as without maxima, with
+    finite weights and with ``nan_and_inf_weights``."""
     _require_triton()
     from pallas_kernels.triton_lang import prefill_logits
     layout, layer, s, cache, q8, wf, table, ctx = tc_case(rng, b=2, n=37, **case)
+    if odd_weights:
+        wf = nan_and_inf_weights(rng, wf, ctx)
     args = (cache, s, q8, wf, jnp.asarray(table), jnp.asarray(ctx))
     plain = np.asarray(jax.jit(prefill_logits.paged_logits, static_argnums=1)(*args))
+    if odd_weights:
+        assert np.isnan(plain).any() and np.isposinf(plain).any() and np.isneginf(plain).any()
     last = np.array([max(workspace.group_columns(g)) for g in range(workspace.maxima_cols(plain.shape[-1]))])
     inside = last < plain.shape[-1]                              # groups past the columns are never written
     for fill in (True, False):
