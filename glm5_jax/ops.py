@@ -682,7 +682,8 @@ def select_tokens(cache, layout: CacheLayout, layer: int, q8, weights, page_tabl
     row). ``order="pool"``: the same pools in ascending pool id order (the tokens in
     position order, the -1 columns after them; ``reference.pool_order``): the Triton
     prefill rows sort only their ids where the score order sorts (score, id) pairs
-    (faster), the other paths sort their ids after the top-k. Short-context path (docs/semantics.md 5.5): when every row's context p + 1 is <=
+    (faster), the other paths sort their ids after the top-k.
+    Short-context path (docs/semantics.md 5.5): when every row's context p + 1 is <=
     topk_tokens, scoring is skipped and row p holds 0, 1, ..., p, then -1 (the same
     token set). ``short_context`` forces (True/False) or auto-detects (None; on
     traced positions the choice is a lax.cond on the device).

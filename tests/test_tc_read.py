@@ -33,7 +33,7 @@ from glm5_jax.layout import CacheLayout
 from pallas_kernels.core import addressing as addr
 from pallas_kernels.read import workspace
 from pallas_kernels.triton_lang import _call
-from test_read_path import np_expand, np_topk, random_cache, random_queries, random_tables
+from test_read_path import ascending_then_empty, np_expand, np_topk, random_cache, random_queries, random_tables
 
 ON_GPU = jax.default_backend() == "gpu"
 D = 128
@@ -1095,9 +1095,7 @@ def in_pool_order(tokens, k_tokens):
     """The token rows of select_tokens(order="score") as order="pool" gives them: the pool
     columns [: k_tokens] in ascending order with the -1 columns after them, the tail as is
     (numpy; independent of ``reference.pool_order``)."""
-    big = np.iinfo(np.int32).max
-    head = np.sort(np.where(tokens[:, :k_tokens] < 0, big, tokens[:, :k_tokens]), axis=1)
-    return np.concatenate([np.where(head == big, -1, head), tokens[:, k_tokens:]], axis=1)
+    return np.concatenate([ascending_then_empty(tokens[:, :k_tokens]), tokens[:, k_tokens:]], axis=1)
 
 
 @pytest.mark.gpu
