@@ -23,9 +23,11 @@
     program: the whole select_tokens per value (ids checked equal) and the logits
     kernel on the first and last chunk, all timed interleaved, three rounds.
 
-With --profile it prints no table: the row top-k of each prefill's first chunk and
-of its last chunk's worth of rows runs once inside the CUDA profiler's window, for
-Nsight Compute (gpu.sh's ncu step, case tc-rows).
+With --profile it prints no table: inside the CUDA profiler's window, for Nsight
+Compute (gpu.sh's ncu step), each kernel call runs once: with "rows" (case tc-rows)
+the row top-k of each prefill's first chunk and of its last chunk's worth of rows,
+with "logits" (case tc-logits) the logits kernel with its group maxima on each
+prefill's last chunk, as select_tokens runs it.
 
 FLOPs count 2 * 32 heads * 128 * (visible (row, pool) pairs). GPU:
     PYTHONPATH=$PWD python3 benchmarks/bench_prefill.py [--prefills 32768 131072 524288]
@@ -294,22 +296,29 @@ def chunk_scores(layout, cache, table, q, w, ctx_pools):
     return lg.reshape(rows, -1), mx.reshape(rows, -1), ctx_pools.reshape(-1)
 
 
-def profile(cfg, prefills):
-    """--profile: the row top-k (``topk_rows.topk_pools`` with the rows' maxima, its
-    default shape) of the first chunk and of the last chunk's worth of rows of each
-    prefill (``chunk_rows``), one call each inside the CUDA profiler's window
-    (``_timing.profile_calls``; gpu.sh's ncu step)."""
-    from pallas_kernels.triton_lang import topk_rows as tct
+def profile(cfg, prefills, kernel="rows"):
+    """--profile: one call each inside the CUDA profiler's window
+    (``_timing.profile_calls``; gpu.sh's ncu step). kernel "rows": the row top-k
+    (``topk_rows.topk_pools`` with the rows' maxima, its default shape) of the first chunk
+    and of the last chunk's worth of rows of each prefill (``chunk_rows``); "logits": the
+    logits kernel with its group maxima (``prefill_logits.PREFILL``) on the last chunk."""
+    from pallas_kernels.triton_lang import prefill_logits as tcl, topk_rows as tct
     calls = []
     for tokens in prefills:
         layout, cache, table, key, heads = read_case(cfg, 1, tokens)
         q8, w = queries(key, 1, tokens, heads)
-        for last in (False, True):
+        for last in ((True,) if kernel == "logits" else (False, True)):
             rows, q, ww, ctx = chunk_rows(cfg, layout, table, q8, w, last)
+            where = f"{tokens // 1024}k {'last' if last else 'first'} {rows} rows"
+            if kernel == "logits":
+                s = layout.strides(0)
+                f = jax.jit(lambda c, q_, w_, cx, s=s, table=table: tcl.paged_logits(
+                    c, s, q_, w_, table, cx, fill=False, maxima=True, tune=tcl.PREFILL))
+                calls.append((f"logits {where}", lambda f=f, args=(cache, q, ww, ctx): f(*args)))
+                continue
             lg, mx, lens = chunk_scores(layout, cache, table, q, ww, ctx)
             f = jax.jit(lambda a, l, m: tct.topk_pools(a, l, cfg.topk_pools, m))
-            calls.append((f"row top-k {tokens // 1024}k {'last' if last else 'first'} {rows} rows",
-                          lambda f=f, args=(lg, lens, mx): f(*args)))
+            calls.append((f"row top-k {where}", lambda f=f, args=(lg, lens, mx): f(*args)))
     return profile_calls(calls)
 
 
@@ -335,9 +344,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, pallas and xla")
     ap.add_argument("--mosaic", action="store_true",
                     help="also JAX's Mosaic GPU Hopper matmul example on the same 8192^3 product (GPU)")
-    ap.add_argument("--profile", action="store_true",
+    ap.add_argument("--profile", nargs="?", const="rows", choices=("rows", "logits"),
                     help="no table: the row top-k of each prefill's first chunk and last chunk's worth of rows "
-                         "inside the CUDA profiler's window, for ncu --profile-from-start off (GPU)")
+                         "(rows), or the logits kernel on the last chunk (logits), inside the CUDA profiler's "
+                         "window, for ncu --profile-from-start off (GPU)")
     ap.add_argument("--logits-pages", type=int, nargs="+", metavar="PAGES",
                     help="the prefill logits' page-table columns per program to compare, powers of two "
                          "from 2 (GPU; e.g. 64 128 256)")
@@ -354,7 +364,7 @@ def main(argv=None):
                            or any(p < 2 or p & (p - 1) for p in a.logits_pages)):
         ap.error(f"--logits-pages: distinct powers of two from 2, got {a.logits_pages}")
     if a.profile:
-        return profile(IndexerConfig(), a.prefills)
+        return profile(IndexerConfig(), a.prefills, a.profile)
     impls = a.impls.split(",")
     prefills = a.prefills
     if a.quick:

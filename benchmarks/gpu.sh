@@ -28,7 +28,8 @@
 #     next_n 1 / 4), decode4b1 (B = 1, next_n 4), select (decode select_tokens, B = 64 x 128k), topk
 #     ([64, 131072], k = 512); the Triton read path (needs .whl): tc-select (decode select_tokens, B = 1 x
 #     32k), tc-topk ([64, 131072], k = 512 and 2048), tc-rows (the row top-k of a 32k prefill's first chunk
-#     and of its last chunk's worth of rows); SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*.
+#     and of its last chunk's worth of rows), tc-logits (the prefill logits kernel with its maxima on the last
+#     chunk of a 32k and a 128k prefill); SAVE_SASS=1 also keeps each whole SASS listing -> ncu_*.
 #   shapes: DECODE_VARIANTS [forward:1 forward:2 forward:8] (program:warps), COMPRESS_SHAPES [2x4 4x2 4x8 8x4 8x8]
 #     (tile x warps); " " for none -> shapes.*. read: TRACE_READ_ARGS, PREFILLS [32768 131072] -> read_*.
 #   read-sweep: SWEEP_ONLY [logits topk] -> read-sweep.txt.
@@ -100,7 +101,7 @@ step_ncu() {
   for stall in long_scoreboard short_scoreboard barrier wait math_pipe_throttle mio_throttle drain lg_throttle; do
     M+=,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio
   done
-  M+=,lts__t_bytes.sum,sm__cycles_elapsed.max,smsp__cycles_active.max
+  M+=,lts__t_bytes.sum,sm__cycles_elapsed.max,smsp__cycles_active.max,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
   for CASE in ${CASES:-compress decode1 decode4}; do
     case $CASE in
       compress) ARGS="benchmarks/trace_writes.py --profile compress:${TOKENS:-131072}" ;;
@@ -111,8 +112,10 @@ step_ncu() {
       topk) ARGS="benchmarks/trace_read.py --profile --skip-decode" ;;
       tc-select) ARGS="benchmarks/trace_read.py --profile --impls triton --skip-topk --batches 1 --contexts 32768" ;;
       tc-topk) ARGS="benchmarks/trace_read.py --profile --impls triton --skip-decode --topk-ks 512 2048" ;;
-      tc-rows) ARGS="benchmarks/bench_prefill.py --profile --prefills 32768" ;;
-      *) echo "ncu: unknown case $CASE (compress decode1 decode4 decode4b1 select topk tc-select tc-topk tc-rows)"
+      tc-rows) ARGS="benchmarks/bench_prefill.py --profile rows --prefills 32768" ;;
+      tc-logits) ARGS="benchmarks/bench_prefill.py --profile logits --prefills 32768 131072" ;;
+      *) echo "ncu: unknown case $CASE (compress decode1 decode4 decode4b1 select topk tc-select tc-topk tc-rows"\
+              "tc-logits)"
          rc=2; continue ;;
     esac
     # the Pallas kernels are named kpool_*, the Triton ones by their function (..._kernel)

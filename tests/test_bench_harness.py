@@ -297,6 +297,42 @@ def stand_in_triton_modules(monkeypatch, **modules):
         monkeypatch.setattr(package, name, module, raising=False)
 
 
+def test_bench_prefill_profile_runs_the_named_kernel(monkeypatch):
+    """bench_prefill.py --profile (gpu.sh's ncu cases tc-rows and tc-logits): "rows", the
+    default, runs the row top-k of a prefill's first chunk and of its last chunk's worth
+    of rows, "logits" the logits kernel on the last chunk, each call once inside the
+    profiler's window; another kernel name is refused. Here the Triton modules are
+    stand-ins that record their calls, so the CPU runs the planning."""
+    import types
+
+    import bench_prefill as bp
+    ran = []
+
+    def paged_logits(cache, s, q, w, table, ctx, fill, maxima, tune):
+        ran.append(("logits", q.shape[1], ctx.shape[1], fill, maxima))
+        rows, cols = ctx.shape[1], table.shape[1] * s.page_rows
+        return jnp.zeros((1, rows, cols), jnp.float32), jnp.zeros((1, rows, -(-cols // 64) * 8), jnp.uint32)
+
+    def topk_pools(scores, lengths, k, maxima):
+        ran.append(("topk", scores.shape[0], lengths.shape[0], k, maxima.shape[0]))
+        return jnp.zeros((scores.shape[0], k), jnp.int32)
+
+    stand_in_triton_modules(monkeypatch, prefill_logits=types.SimpleNamespace(paged_logits=paged_logits,
+                                                                               PREFILL="prefill"),
+                            topk_rows=types.SimpleNamespace(topk_pools=topk_pools))
+    monkeypatch.setattr(bp, "profile_calls", lambda calls: [name for name, call in calls if call() is not None])
+    tokens, k = 3000, bp.IndexerConfig().topk_pools
+    rows = bp.main(["--profile", "--prefills", str(tokens)])
+    assert len(rows) == 2 and rows[0].startswith("row top-k 2k first ") and rows[1].startswith("row top-k 2k last ")
+    n = int(rows[0].split()[-2])
+    assert ran == [("logits", n, n, False, True)] * 2 + [("topk", n, n, k, n)] * 2, ran     # scores, then the calls
+    ran.clear()
+    assert bp.main(["--profile", "logits", "--prefills", str(tokens)]) == [f"logits 2k last {n} rows"]
+    assert ran == [("logits", n, n, False, True)], ran
+    with pytest.raises(SystemExit):
+        bp.main(["--profile", "topk", "--prefills", str(tokens)])
+
+
 def test_trace_read_topk_forms_checks_and_prints_every_form(monkeypatch, capsys):
     """trace_read.py --topk-forms (the table behind topk_pools' default): per shape and k
     it times the sampled form, one program per row where that finishes in time, and the
