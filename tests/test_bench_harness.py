@@ -309,7 +309,7 @@ def test_bench_prefill_profile_runs_the_named_kernel(monkeypatch):
     ran = []
 
     def paged_logits(cache, s, q, w, table, ctx, fill, maxima, tune):
-        ran.append(("logits", q.shape[1], ctx.shape[1], fill, maxima))
+        ran.append(("logits", q.shape[1], ctx.shape[1], fill, maxima, tune))
         rows, cols = ctx.shape[1], table.shape[1] * s.page_rows
         return jnp.zeros((1, rows, cols), jnp.float32), jnp.zeros((1, rows, -(-cols // 64) * 8), jnp.uint32)
 
@@ -325,10 +325,10 @@ def test_bench_prefill_profile_runs_the_named_kernel(monkeypatch):
     rows = bp.main(["--profile", "--prefills", str(tokens)])
     assert len(rows) == 2 and rows[0].startswith("row top-k 2k first ") and rows[1].startswith("row top-k 2k last ")
     n = int(rows[0].split()[-2])
-    assert ran == [("logits", n, n, False, True)] * 2 + [("topk", n, n, k, n)] * 2, ran     # scores, then the calls
+    assert ran == [("logits", n, n, False, True, "prefill")] * 2 + [("topk", n, n, k, n)] * 2, ran  # scores, calls
     ran.clear()
     assert bp.main(["--profile", "logits", "--prefills", str(tokens)]) == [f"logits 2k last {n} rows"]
-    assert ran == [("logits", n, n, False, True)], ran
+    assert ran == [("logits", n, n, False, True, "prefill")], ran
     with pytest.raises(SystemExit):
         bp.main(["--profile", "topk", "--prefills", str(tokens)])
 
