@@ -306,12 +306,14 @@ def test_bench_prefill_profile_runs_the_named_kernel(monkeypatch):
     import types
 
     import bench_prefill as bp
+    from pallas_kernels.core import addressing as addr
+    from pallas_kernels.read import workspace
     ran = []
 
     def paged_logits(cache, s, q, w, table, ctx, fill, maxima, tune):
         ran.append(("logits", q.shape[1], ctx.shape[1], fill, maxima, tune))
-        rows, cols = ctx.shape[1], table.shape[1] * s.page_rows
-        return jnp.zeros((1, rows, cols), jnp.float32), jnp.zeros((1, rows, -(-cols // 64) * 8), jnp.uint32)
+        rows, cols = ctx.shape[1], addr.pools_in_pages(s, table.shape[1])
+        return jnp.zeros((1, rows, cols), jnp.float32), jnp.zeros((1, rows, workspace.maxima_cols(cols)), jnp.uint32)
 
     def topk_pools(scores, lengths, k, maxima):
         ran.append(("topk", scores.shape[0], lengths.shape[0], k, maxima.shape[0]))
