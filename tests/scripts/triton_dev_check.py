@@ -1,10 +1,11 @@
-"""Developer check of the Triton kernels WITHOUT a GPU (not run by CI).
+"""Check of the Triton kernels WITHOUT a GPU (interpret: tests/test_triton_interpret.py in CI).
 
-Needs the `triton` package (3.6.0) in the environment, e.g. a throwaway venv:
-    python3 -m venv --system-site-packages /tmp/tlvenv && /tmp/tlvenv/bin/pip install triton==3.6.0 absl-py
+Needs the `triton` package (3.6.0), which the `[test]` extra installs on Linux x86_64
+(the commands below use a throwaway venv beside an environment without it:
+    python3 -m venv --system-site-packages /tmp/tlvenv && /tmp/tlvenv/bin/pip install triton==3.6.0 absl-py).
 No torch: a small numpy-backed stand-in gives Triton's interpreter the pointers.
 
-    PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py interpret [--seed N]
+    PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py interpret [--seed N] [--only G,..]
         Runs the kernels with TRITON_INTERPRET=1 on CPU (numpy) and compares bytes
         with glm5_jax.reference: the numerics helpers on random and edge values, the
         write-kernel cases of tests/write_cases.py, out-of-range slots, the padded
@@ -398,7 +399,7 @@ def _report_ids(label, got, want) -> int:
 def check_row_topk(rng):
     """The prefill row top-k (``topk_rows.topk_pools``, its planning and launches, the
     kernels in the interpreter) against glm5_jax.reference.topk_pools: rows of random
-    scores, a ReLU plateau of zeros and heavy ties, lengths from 0 to the row, with
+    scores, a ReLU plateau of zeros of both signs (equal in the order) and heavy ties, lengths from 0 to the row, with
     group maxima (the floor from registers and from histograms) and without (the
     register form and the walks, merged by row length), by score and (but for the
     histogram floor) by pool id against ``reference.pool_order``. The interpreter checks the
@@ -415,8 +416,9 @@ def check_row_topk(rng):
             rows, n, k = 5, int(rng.choice([700, 2048, 5000, 8192])), int(rng.choice([16, 64, 128]))
             if case % 3 == 0:
                 x = rng.standard_normal((rows, n)).astype(np.float32)
-            elif case % 3 == 1:
-                x = np.maximum(rng.standard_normal((rows, n)), 0).astype(np.float32)
+            elif case % 3 == 1:                     # w * relu(s): zeros of both signs
+                x = (np.maximum(rng.standard_normal((rows, n)), 0)
+                     * rng.choice([-1.0, 1.0], (rows, n))).astype(np.float32)
             else:
                 x = rng.integers(-3, 4, (rows, n)).astype(np.float32)
             lengths = rng.integers(0, n + 1, rows).astype(np.int32)
@@ -435,10 +437,10 @@ def check_row_topk(rng):
 
 
 def _topk_rows(rng, rows, n, k):
-    """Scores for the top-k checks: random, ReLU plateau, few distinct values (ties) and
+    """Scores for the top-k checks: random, ReLU plateau (zeros of both signs), few distinct values (ties) and
     duplicated keys in turn, row by row; lengths from 0 to past the row, the first full."""
     x = rng.standard_normal((rows, n)).astype(np.float32)
-    x[1::4] = np.maximum(x[1::4], 0.0)
+    x[1::4] = np.maximum(x[1::4], 0.0) * rng.choice([-1.0, 1.0], x[1::4].shape)    # zeros of both signs
     x[2::4] = np.round(x[2::4] * 2) / 2
     x[3::4] = np.repeat(x[3::4, ::8], 8, axis=1)[:, :n]
     lengths = rng.integers(0, n + 100, rows).astype(np.int32)
@@ -739,15 +741,37 @@ def check_sass():
     return bad
 
 
+# the interpreter's checks, in groups that tests/test_triton_interpret.py runs one a process
+INTERPRET_GROUPS = {
+    "writes": ("check_numerics", "check_cases", "check_out_of_range", "check_padded_stride",
+               "check_launch_variants", "check_vectors"),
+    "row-topk": ("check_row_topk",),
+    "logits-split-topk": ("check_prefill_logits", "check_split_and_dense_topk"),
+}
+
+
+def run_interpret(groups, rng) -> int:
+    """Run the named groups' checks in order; the count of checks that failed."""
+    bad = 0
+    for group in groups:
+        for name in INTERPRET_GROUPS[group]:
+            check = globals()[name]
+            bad += check() if name == "check_vectors" else check(rng)
+    return bad
+
+
 def main():
     seed = (int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv
             else int.from_bytes(os.urandom(4), "little"))
     rng = np.random.default_rng(seed)
     print(f"triton_dev_check {MODE}: seed {seed}")
     if MODE == "interpret":
-        bad = check_numerics(rng) + check_cases(rng) + check_out_of_range(rng) + check_padded_stride(rng) \
-            + check_launch_variants(rng) + check_vectors() + check_row_topk(rng) + check_prefill_logits(rng) \
-            + check_split_and_dense_topk(rng)
+        groups = (sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv
+                  else list(INTERPRET_GROUPS))
+        unknown = [g for g in groups if g not in INTERPRET_GROUPS]
+        if unknown:
+            raise SystemExit(f"unknown group(s) {unknown} (known: {', '.join(INTERPRET_GROUPS)})")
+        bad = run_interpret(groups, rng)
     elif MODE == "compile":
         bad = check_compile()
     elif MODE == "sass":
