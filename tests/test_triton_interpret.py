@@ -1,8 +1,9 @@
 """The Triton-language kernels run by Triton's interpreter on the CPU.
 
 The kernels of implementation="triton" (the writes, the tensor-core logits and their
-group maxima, the row top-k of prefill rows, the decode split top-k, the sampled top-k)
-compile for the GPU only; their compiled tests (test_triton.py, test_tc_read.py) run
+group maxima, the row top-k of prefill rows, the decode split top-k, the sampled top-k,
+and select_tokens through them: prefill rows in windows, decode rows) compile for the
+GPU only; their compiled tests (test_triton.py, test_tc_read.py) run
 on a GPU machine. Here tests/scripts/triton_dev_check.py runs the same kernels,
 launched by the same planning code, in Triton's interpreter (TRITON_INTERPRET=1,
 numpy memory) and compares their bytes and ids with glm5_jax.reference, so a change
@@ -29,7 +30,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "triton_dev_check.py"
 TRITON_PIN = "3.6.0"
-GROUPS = ("writes", "row-topk", "logits-split-topk")
+GROUPS = ("writes", "row-topk", "logits-split-topk", "select-tokens")
 
 
 def _triton_version():

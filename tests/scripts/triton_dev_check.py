@@ -11,8 +11,11 @@ No torch: a small numpy-backed stand-in gives Triton's interpreter the pointers.
         write-kernel cases of tests/write_cases.py, out-of-range slots, the padded
         stride regression, the vLLM vectors when present, the prefill row top-k's
         ids against the reference's top-k (check_row_topk), the tensor-core logits
-        and their group maxima against the exact logits (check_prefill_logits), and the
-        decode split top-k's and the sampled top-k's ids (check_split_and_dense_topk).
+        and their group maxima against the exact logits (check_prefill_logits), the
+        decode split top-k's and the sampled top-k's ids (check_split_and_dense_topk),
+        and ops.select_tokens(implementation="triton") whole, prefill rows in windows
+        and decode rows, against the golden selection (check_select_tokens).
+        --only runs some of the groups: writes, row-topk, logits-split-topk, select-tokens.
     PYTHONPATH=$PWD /tmp/tlvenv/bin/python tests/scripts/triton_dev_check.py compile
         Compiles every kernel for sm_90 through jax_triton 0.3.1's own compile path
         (TTIR -> TTGIR -> LLIR -> PTX) and then ptxas (bundled with triton), and checks
@@ -367,8 +370,12 @@ def _interpret_read(kernel, scalars, arrays, out_shape, *, grid, constexprs, inp
     the outputs start filled with a sentinel, so a slot the kernel leaves shows, but
     for an output aliased to an input (``input_output_aliases``), which starts as a
     copy of that input. The two stay separate arrays here (one buffer on the GPU): a
-    kernel reading back through the input what it wrote to the output would differ."""
+    kernel reading back through the input what it wrote to the output would differ.
+    Traced inputs (a caller's ``jax.eval_shape``) get zeros of the outputs' shapes."""
     outs = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):     # traced for its shapes (jax.eval_shape)
+        got = tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
+        return got if isinstance(out_shape, tuple) else got[0]
     hosts = [HostArray(np.full(o.shape, 0xA5A5A5A5 if o.dtype == jnp.uint32 else -7, o.dtype)) for o in outs]
     for i, j in (input_output_aliases or {}).items():
         hosts[j] = HostArray(np.array(arrays[i], dtype=outs[j].dtype).reshape(outs[j].shape))
@@ -541,6 +548,72 @@ def check_prefill_logits(rng):
                 failed = [nm for nm, ok in zip(names, errs) if not ok]
                 bad += len(failed)
                 print(f"  prefill logits {label} {tname}: {'ok' if not failed else 'DIFFERS: ' + ', '.join(failed)}")
+    return bad
+
+
+def check_select_tokens(rng):
+    """``ops.select_tokens(implementation="triton")`` whole, its kernels in the interpreter
+    (the availability check, which needs a GPU, patched out): prefill rows of one request
+    in several windows (a small ``workspace_bytes``) through the logits kernel with its
+    maxima, the row top-k and the expansion, and decode rows (2 per request) through the
+    logits kernel with positions and counters and the split top-k. On every row the
+    contract decides (tests/test_tc_read.py ``decided_rows``) the selected pools equal the
+    golden selection; the tail tokens equal the reference's; the windows change no row
+    (one window gives the same tokens); order="pool" gives the same tokens in pool order;
+    a decode request alone gives the tokens it gets in the batch."""
+    from glm5_jax import ops
+    from pallas_kernels.read import workspace
+    from pallas_kernels.triton_lang import _call
+    from test_tc_read import decided_rows, golden, in_pool_order, np_expand, np_topk, tc_case
+    bad = 0
+    saved = _call.require
+    _call.require = lambda op: None
+    try:
+        with _reads_in_interpreter(), jax.disable_jit():
+            for label, b, n in (("prefill", 1, ops.TC_MIN_ROWS + 8), ("decode", 6, 2)):
+                layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=b, n=n, max_pages=8)
+                c = layout.config
+                n_pools = table.shape[1] * s.page_rows
+                k = 16                                # rows of 2k .. 16k pools: the floor from the maxima too
+                if label == "prefill":
+                    pos = np.sort(rng.choice(np.arange(2 * k * c.kpool, n_pools * c.kpool), n,
+                                             replace=False)).astype(np.int32)[None, :]
+                else:
+                    last = rng.integers(n + 2 * k * c.kpool, n_pools * c.kpool, b)
+                    pos = (last[:, None] - np.arange(n)[::-1][None, :]).astype(np.int32)
+
+                def select(rows=slice(None), **kw):
+                    return np.asarray(ops.select_tokens(
+                        jnp.asarray(cache), layout, layer, q8[rows], wf[rows], jnp.asarray(table[rows]),
+                        jnp.asarray(pos[rows]), topk_tokens=k * c.kpool, short_context=False,
+                        implementation="triton", **kw))
+                n_cols = table.shape[1] * s.page_rows
+                ws = workspace.chunk_row_bytes(n_cols, k) * b * (n // 3 + 1)       # three windows of rows
+                got = select(workspace_bytes=ws) if label == "prefill" else select()
+                checks = {}
+                if label == "prefill":
+                    assert workspace.rows_per_chunk(n, n_cols, k, workspace_bytes=ws) < n
+                    checks["one window, the same tokens"] = np.array_equal(select(), got)
+                else:
+                    checks["a request alone, the same tokens"] = np.array_equal(select(slice(1, 2)), got[n:2 * n])
+                by_pool = select(order="pool", **({"workspace_bytes": ws} if label == "prefill" else {}))
+                checks["order pool"] = np.array_equal(by_pool, in_pool_order(got, k * c.kpool))
+                seq = (pos + 1).reshape(-1)
+                gold, e = golden(cache, layout, layer, q8, wf, table, (pos + 1) // c.kpool)
+                gold, e = gold.reshape(b * n, -1), e.reshape(b * n, -1)
+                ctx = ((pos + 1) // c.kpool).reshape(-1)
+                decided = decided_rows(gold, e, ctx, k)
+                want = np_expand(np_topk(gold, ctx, k), seq, c.kpool)
+                sel = lambda x: np.sort(x[:, :k * c.kpool].reshape(x.shape[0], k, c.kpool)[..., 0], axis=1)  # noqa: E731
+                checks[f"selected sets ({decided.size} of {b * n} rows decided)"] = (
+                    decided.size >= 0.2 * b * n and np.array_equal(sel(got[decided]), sel(want[decided])))
+                checks["tail tokens"] = np.array_equal(got[:, k * c.kpool:], want[:, k * c.kpool:])
+                failed = [name for name, ok in checks.items() if not ok]
+                bad += len(failed)
+                print(f"  select_tokens triton {label} {b} x {n}: "
+                      f"{'ok (' + ', '.join(checks) + ')' if not failed else 'DIFFERS: ' + ', '.join(failed)}")
+    finally:
+        _call.require = saved
     return bad
 
 
@@ -747,6 +820,7 @@ INTERPRET_GROUPS = {
                "check_launch_variants", "check_vectors"),
     "row-topk": ("check_row_topk",),
     "logits-split-topk": ("check_prefill_logits", "check_split_and_dense_topk"),
+    "select-tokens": ("check_select_tokens",),
 }
 
 
