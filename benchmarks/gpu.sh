@@ -6,7 +6,7 @@
 # STEPS: the steps to run, in order; the default "tests notebooks writes" is the check of a change:
 # the suite compiled, the notebooks and the write table.
 # The steps, each with its time-limit variable in seconds and that limit's default:
-#   tests         T_S=370   the whole suite compiled (pytest -n $XDIST on tests/ but sharding, notebooks, large cache)
+#   tests         T_S=370   the whole suite compiled (pytest -n $XDIST on tests/ but sharding, notebooks, large cache, interpreter)
 #   writes-tests  TD_S=120  tests/test_write_kernels.py compiled
 #   notebooks     N_S=100   the notebooks' code cells (tests/scripts/run_notebook_cells.py)
 #   writes        TW_S=120  benchmarks/trace_writes.py: the write kernels' device times against XLA
