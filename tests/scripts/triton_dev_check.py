@@ -327,7 +327,7 @@ def check_launch_variants(rng):
     return bad
 
 
-def check_vectors():
+def check_vectors(rng=None):                      # rng unused: the recorded vectors are fixed inputs
     import vectors as V
     if not V.available():
         print("  vLLM vectors: not found, skipped")
@@ -406,8 +406,8 @@ def _report_ids(label, got, want) -> int:
 def check_row_topk(rng):
     """The prefill row top-k (``topk_rows.topk_pools``, its planning and launches, the
     kernels in the interpreter) against glm5_jax.reference.topk_pools: rows of random
-    scores, a ReLU plateau of zeros of both signs (equal in the order) and heavy ties, lengths from 0 to the row, with
-    group maxima (the floor from registers and from histograms) and without (the
+    scores, a ReLU plateau of zeros of both signs (equal in the order) and heavy ties,
+    lengths from 0 to the row, with group maxima (the floor from registers and from histograms) and without (the
     register form and the walks, merged by row length), by score and (but for the
     histogram floor) by pool id against ``reference.pool_order``. The interpreter checks the
     kernel's logic, not the GPU's layouts or races."""
@@ -444,8 +444,8 @@ def check_row_topk(rng):
 
 
 def _topk_rows(rng, rows, n, k):
-    """Scores for the top-k checks: random, ReLU plateau (zeros of both signs), few distinct values (ties) and
-    duplicated keys in turn, row by row; lengths from 0 to past the row, the first full."""
+    """Scores for the top-k checks: random, ReLU plateau (zeros of both signs), few
+    distinct values (ties) and duplicated keys in turn, row by row; lengths from 0 to past the row, the first full."""
     x = rng.standard_normal((rows, n)).astype(np.float32)
     x[1::4] = np.maximum(x[1::4], 0.0) * rng.choice([-1.0, 1.0], x[1::4].shape)    # zeros of both signs
     x[2::4] = np.round(x[2::4] * 2) / 2
@@ -554,15 +554,16 @@ def check_prefill_logits(rng):
 def check_select_tokens(rng):
     """``ops.select_tokens(implementation="triton")`` whole, its kernels in the interpreter
     (the availability check, which needs a GPU, patched out): prefill rows of one request
-    in three overlapping windows (a small ``workspace_bytes``) through the logits kernel with its
-    maxima, the row top-k and the expansion, and decode rows (2 per request, one request
-    of padding) through the
-    logits kernel with positions and counters and the split top-k. On every row the
+    in three overlapping windows (a small ``workspace_bytes``) through the logits kernel
+    with its maxima, the row top-k and the expansion, and decode rows (2 per request, one
+    request of padding) through the logits kernel with positions and counters and the
+    split top-k. On every row the
     contract decides (tests/test_tc_read.py ``decided_rows``) the selected pools equal the
     golden selection; the tail tokens equal the reference's; the windows change no row
     (one window gives the same tokens); order="pool" gives the same tokens in pool order;
     a decode request alone gives the tokens it gets in the batch."""
     from glm5_jax import ops
+    from pallas_kernels.core import addressing as addr
     from pallas_kernels.read import workspace
     from pallas_kernels.triton_lang import _call
     from test_tc_read import decided_rows, golden, in_pool_order, np_expand, np_topk, tc_case
@@ -574,7 +575,7 @@ def check_select_tokens(rng):
             for label, b, n in (("prefill", 1, ops.TC_MIN_ROWS + 9), ("decode", 12, 2)):
                 layout, layer, s, cache, q8, wf, table, _ = tc_case(rng, b=b, n=n, max_pages=8)
                 c = layout.config
-                n_pools = table.shape[1] * s.page_rows
+                n_pools = addr.pools_in_pages(s, table.shape[1])
                 k = 16                                # rows of 2k .. 16k pools: the floor from the maxima too
                 if label == "prefill":
                     pos = np.sort(rng.choice(np.arange(2 * k * c.kpool, n_pools * c.kpool), n,
@@ -589,16 +590,16 @@ def check_select_tokens(rng):
                         jnp.asarray(cache), layout, layer, q8[rows], wf[rows], jnp.asarray(table[rows]),
                         jnp.asarray(pos[rows]), topk_tokens=k * c.kpool, short_context=False,
                         implementation="triton", **kw))
-                n_cols = n_pools
-                ws = workspace.chunk_row_bytes(n_cols, k) * b * (n // 3 + 1)   # three windows, the last two overlapping
-                got = select(workspace_bytes=ws) if label == "prefill" else select()
+                # three windows of rows, the last two overlapping
+                ws_bytes = workspace.chunk_row_bytes(n_pools, k) * b * (n // 3 + 1)
+                got = select(workspace_bytes=ws_bytes) if label == "prefill" else select()
                 checks = {}
                 if label == "prefill":
-                    assert workspace.rows_per_chunk(n, n_cols, k, workspace_bytes=ws) < n
+                    assert workspace.rows_per_chunk(n, n_pools, k, workspace_bytes=ws_bytes) < n
                     checks["one window, the same tokens"] = np.array_equal(select(), got)
                 else:
                     checks["a request alone, the same tokens"] = np.array_equal(select(slice(1, 2)), got[n:2 * n])
-                by_pool = select(order="pool", **({"workspace_bytes": ws} if label == "prefill" else {}))
+                by_pool = select(order="pool", **({"workspace_bytes": ws_bytes} if label == "prefill" else {}))
                 checks["order pool"] = (np.array_equal(by_pool, in_pool_order(got, k * c.kpool))
                                         and bool((by_pool != got).any()))         # the score order is another
                 seq = np.where(pos >= 0, pos + 1, 0)
@@ -607,7 +608,8 @@ def check_select_tokens(rng):
                 ctx, seq = (seq // c.kpool).reshape(-1), seq.reshape(-1)
                 decided = decided_rows(gold, e, ctx, k)
                 want = np_expand(np_topk(gold, ctx, k), seq, c.kpool)
-                sel = lambda x: np.sort(x[:, :k * c.kpool].reshape(x.shape[0], k, c.kpool)[..., 0], axis=1)  # noqa: E731
+                def sel(x):                                   # each row's selected pools, sorted
+                    return np.sort(x[:, :k * c.kpool].reshape(x.shape[0], k, c.kpool)[..., 0], axis=1)
                 checks[f"selected sets ({decided.size} of {b * n} rows decided)"] = (
                     decided.size >= 0.2 * b * n and np.array_equal(sel(got[decided]), sel(want[decided])))
                 checks["tail tokens"] = np.array_equal(got[:, k * c.kpool:], want[:, k * c.kpool:])
@@ -817,7 +819,7 @@ def check_sass():
     return bad
 
 
-# the interpreter's checks, in groups that tests/test_triton_interpret.py runs one a process
+# the interpreter's checks, in groups that tests/test_triton_interpret.py runs one per process
 INTERPRET_GROUPS = {
     "writes": ("check_numerics", "check_cases", "check_out_of_range", "check_padded_stride",
                "check_launch_variants", "check_vectors"),
@@ -832,8 +834,7 @@ def run_interpret(groups, rng) -> int:
     bad = 0
     for group in groups:
         for name in INTERPRET_GROUPS[group]:
-            check = globals()[name]
-            bad += check() if name == "check_vectors" else check(rng)
+            bad += globals()[name](rng)
     return bad
 
 
